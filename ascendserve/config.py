@@ -1,0 +1,353 @@
+"""One typed configuration tree: defaults < TOML file < ASCENDSERVE_* env < flags.
+
+Every value is checked against its field's type before the sources are
+merged, so an error names the key, the bad value, where it came from, and
+what is allowed. This is the only module that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tomllib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+ROLES = ("encoder", "prefill", "decode", "pd", "proxy", "metaserver", "elastic-server", "all")
+ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
+ENV_PREFIX = "ASCENDSERVE_"
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
+PassthroughValue = str | int | float | bool | list[str | int | float] | dict[str, Any]
+
+
+class ConfigError(Exception):
+    """Bad configuration; the message is meant for the operator, as is."""
+
+
+class _Section(Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=False):
+    pass
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+
+
+class ModelConfig(_Section):
+    path: str = ""
+    served_name: str = ""
+
+
+class EngineConfig(_Section):
+    tensor_parallel_size: PositiveInt = 1
+    dtype: str = "auto"
+    max_model_len: PositiveInt | None = None
+    max_num_seqs: PositiveInt | None = None
+    gpu_memory_utilization: Fraction | None = None
+    enforce_eager: bool = False
+    vllm: dict[str, PassthroughValue] = {}
+    vllm_args: list[str] = []
+
+
+class KVConfig(_Section):
+    connector: Literal["example"] = "example"
+    path: str = ""
+
+
+class ECConfig(_Section):
+    connector: Literal["example"] = "example"
+    enabled: bool = False
+    path: str = ""
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class ClusterConfig(_Section):
+    token: str = ""
+    metaserver_url: str = ""
+
+
+class Config(_Section):
+    role: Literal["encoder", "prefill", "decode", "pd", "proxy", "metaserver", "elastic-server", "all"] | None = None
+    instance_id: str = ""
+    runtime_dir: str = ""
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    kv: KVConfig = msgspec.field(default_factory=KVConfig)
+    ec: ECConfig = msgspec.field(default_factory=ECConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+
+    @property
+    def is_engine(self) -> bool:
+        return self.role in ENGINE_ROLES
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag bound to one config key; its env twin is derived."""
+
+    name: str
+    key: str
+    help: str
+    roles: tuple[str, ...] = ROLES
+    repeatable: bool = False
+    switch: bool = False
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.lstrip("-").replace("-", "_").upper()
+
+    @property
+    def dest(self) -> str:
+        return self.key.replace(".", "__")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--host", "server.host", "address to bind (default 127.0.0.1)"),
+    Flag("--port", "server.port", "port to listen on (default 8000)"),
+    Flag("--instance-id", "instance_id", "name of this instance in logs and the registry"),
+    Flag("--runtime-dir", "runtime_dir", "scratch directory (default /tmp/ascendserve-<uid>)"),
+    Flag("--log-level", "log.level", "debug | info | warning | error"),
+    Flag("--log-format", "log.format", "auto (JSON unless stderr is a terminal) | json | console"),
+    Flag("--cluster-token", "cluster.token", "shared secret for internal routes"),
+    Flag("--metaserver-url", "cluster.metaserver_url", "metaserver to register with"),
+    Flag("--model", "model.path", "local model directory", ENGINE_ROLES),
+    Flag("--served-model-name", "model.served_name", "model name clients use (default: the path)", ENGINE_ROLES),
+    Flag("--tensor-parallel-size", "engine.tensor_parallel_size", "tensor parallel ranks", ENGINE_ROLES),
+    Flag("--dtype", "engine.dtype", "weights/activations dtype passed to vLLM", ENGINE_ROLES),
+    Flag("--max-model-len", "engine.max_model_len", "context length limit", ENGINE_ROLES),
+    Flag("--max-num-seqs", "engine.max_num_seqs", "concurrent sequences per step", ENGINE_ROLES),
+    Flag("--gpu-memory-utilization", "engine.gpu_memory_utilization", "device memory fraction (0, 1]", ENGINE_ROLES),
+    Flag("--enforce-eager", "engine.enforce_eager", "disable graph capture / compilation", ENGINE_ROLES, switch=True),
+    Flag("--vllm-arg", "engine.vllm_args", "extra vLLM argument, repeatable (e.g. --vllm-arg=--seed=1)", ENGINE_ROLES, repeatable=True),
+    Flag("--kv-connector", "kv.connector", "KV connector between prefill and decode", ("prefill", "decode")),
+    Flag("--kv-path", "kv.path", "storage path of the example KV connector", ("prefill", "decode")),
+    Flag("--ec-connector", "ec.connector", "encoder-cache connector", ("encoder", "prefill", "pd")),
+    Flag("--ec-path", "ec.path", "storage path of the example EC connector", ("encoder", "prefill", "pd")),
+    Flag("--ec-enabled", "ec.enabled", "load encoder outputs from the EC store (topology has an encoder)", ("prefill", "pd"), switch=True),
+)
+
+_SECRET_KEY = re.compile(r"(token|secret|password|api[-_]?key)", re.IGNORECASE)
+REDACTED = "***"
+
+
+def flags_for(role: str | None) -> list[Flag]:
+    return [f for f in FLAGS if role is None or role in f.roles]
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f: hints[f] for f in cls.__struct_fields__}
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, _Section)
+
+
+def _allowed(tp: Any) -> str:
+    """Human description of a leaf type, for error messages."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *metas = typing.get_args(tp)
+        bounds = []
+        for m in metas:
+            for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+                if getattr(m, attr, None) is not None:
+                    bounds.append(f"{sym} {getattr(m, attr)}")
+        return f"{_allowed(base)} {' and '.join(bounds)}".strip()
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_allowed(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "unset"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_leaf(key: str, value: Any, tp: Any, source: str, strict: bool) -> Any:
+    try:
+        return msgspec.convert(value, tp, strict=strict)
+    except msgspec.ValidationError as exc:
+        detail = str(exc).split(" - at ")[0]
+        raise ConfigError(
+            f"{key} = {value!r} ({source}) is invalid: {detail}; allowed: {_allowed(tp)}"
+        ) from None
+
+
+def _check_tree(raw: dict, cls: type, prefix: str, source: str) -> dict:
+    """Validate a nested dict from a TOML file against the struct `cls`."""
+    types = _field_types(cls)
+    checked: dict[str, Any] = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if name not in types:
+            section = f"[{prefix[:-1]}]" if prefix else "the top level"
+            raise ConfigError(
+                f"unknown key {key!r} ({source}); allowed keys in {section}: "
+                + ", ".join(sorted(types))
+            )
+        tp = types[name]
+        if _is_section(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} ({source}) must be a table [{key}], got {value!r}")
+            checked[name] = _check_tree(value, tp, key + ".", source)
+        else:
+            checked[name] = _check_leaf(key, value, tp, source, strict=True)
+    return checked
+
+
+def _leaf_type(key: str) -> Any:
+    cls: Any = Config
+    *sections, leaf = key.split(".")
+    for s in sections:
+        cls = _field_types(cls)[s]
+    return _field_types(cls)[leaf]
+
+
+def _set(tree: dict, key: str, value: Any) -> None:
+    *sections, leaf = key.split(".")
+    for s in sections:
+        tree = tree.setdefault(s, {})
+    tree[leaf] = value
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "vllm" else v
+    return out
+
+
+def _load_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path!r} does not exist or is not a file")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+    return _check_tree(raw, Config, "", f"from {path}")
+
+
+def _split_words(value: str) -> list[str]:
+    import shlex
+
+    return shlex.split(value)
+
+
+def _from_strings(pairs: list[tuple[Flag, Any, str]]) -> dict:
+    """Env and flag values arrive as strings (or lists/bools); convert loosely."""
+    tree: dict = {}
+    for flag, value, source in pairs:
+        tp = _leaf_type(flag.key)
+        if flag.repeatable and isinstance(value, str):
+            value = _split_words(value)
+        _set(tree, flag.key, _check_leaf(flag.key, value, tp, source, strict=False))
+    return tree
+
+
+def environ() -> dict[str, str]:
+    """The process environment; the one sanctioned read of os.environ."""
+    return dict(os.environ)
+
+
+def load(
+    role: str | None,
+    config_file: str | None,
+    flag_values: dict[str, Any],
+    env: dict[str, str] | None = None,
+) -> Config:
+    """Build the effective config. `flag_values` maps Flag.dest to parsed values
+    (None or absent = not given). Raises ConfigError with an operator message."""
+    env = environ() if env is None else env
+    config_file = config_file or env.get(ENV_PREFIX + "CONFIG") or None
+    file_tree = _load_file(config_file) if config_file else {}
+    env_pairs = [(f, env[f.env], f"from ${f.env}") for f in FLAGS if env.get(f.env) not in (None, "")]
+    flag_pairs = [
+        (f, flag_values[f.dest], f"from {f.name}")
+        for f in FLAGS
+        if flag_values.get(f.dest) not in (None, [], False)
+    ]
+    tree = _merge(_merge(file_tree, _from_strings(env_pairs)), _from_strings(flag_pairs))
+    role = role or env.get(ENV_PREFIX + "ROLE") or tree.get("role")
+    if role is not None:
+        tree["role"] = _check_leaf("role", role, _field_types(Config)["role"], "role", strict=True)
+    if flag_values.get("engine__vllm_args") and "engine" in file_tree:
+        # Repeated --vllm-arg adds to the file's list rather than replacing it.
+        tree["engine"]["vllm_args"] = file_tree["engine"].get("vllm_args", []) + tree["engine"]["vllm_args"]
+    config = msgspec.convert(tree, Config)
+    return _finish(config, env)
+
+
+def _finish(config: Config, env: dict[str, str]) -> Config:
+    if config.role is None:
+        raise ConfigError("no role given: pass --role (or set ASCENDSERVE_ROLE / role = ... in the file); "
+                          f"allowed: {', '.join(ROLES)}")
+    if not config.runtime_dir:
+        config.runtime_dir = str(Path(env.get("TMPDIR", "/tmp")) / f"ascendserve-{os.getuid()}")
+    if not config.instance_id:
+        config.instance_id = f"{config.role}-{socket.gethostname()}-{config.server.port}"
+    if config.is_engine:
+        _check_model(config.model.path)
+        if not config.kv.path:
+            config.kv.path = str(Path(config.runtime_dir) / "kv")
+        if not config.ec.path:
+            config.ec.path = str(Path(config.runtime_dir) / "ec")
+    return config
+
+
+def _check_model(path: str) -> None:
+    if not path:
+        raise ConfigError("model.path is required for engine roles: pass --model DIR "
+                          "(or ASCENDSERVE_MODEL / [model] path = ...)")
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"model.path = {path!r} does not exist or is not a directory; "
+                          "allowed: a local model directory holding config.json")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.path = {path!r} has no config.json; "
+                          "allowed: a local model directory holding config.json")
+
+
+def redacted(config: Config) -> dict:
+    """The effective config as a dict, with every secret-looking value masked."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (REDACTED if _SECRET_KEY.search(k) and v else walk(v)) for k, v in node.items()}
+        if isinstance(node, list) and all(isinstance(x, str) for x in node):
+            return redact_args(node)
+        return node
+
+    return walk(msgspec.to_builtins(config))
+
+
+def redact_args(argv: list[str]) -> list[str]:
+    """Mask the values of secret-looking options in an argument list
+    (`--api-key=X` and `--api-key X` alike)."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        secret = arg.startswith("--") and bool(_SECRET_KEY.search(arg.split("=", 1)[0]))
+        if hide_next:
+            out.append(REDACTED)
+        elif secret and "=" in arg:
+            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
+        else:
+            out.append(arg)
+        hide_next = secret and "=" not in arg
+    return out

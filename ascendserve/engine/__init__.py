@@ -1,0 +1,1 @@
+"""vLLM integration: engine arguments, in-process server, plugin hooks."""

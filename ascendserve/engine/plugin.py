@@ -1,0 +1,19 @@
+"""vLLM general-plugin entry point, loaded by vLLM in every one of its processes.
+
+vLLM calls ``register()`` from the API server, each engine core and each
+worker (``vllm.plugins.load_general_plugins``). Later issues hang the
+ascendserve model loader and connectors here; today it only makes sure the
+process can import the multimodal stack.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ascendserve.engine.torchvision_compat import ensure_torchvision_importable
+
+
+def register() -> None:
+    ensure_torchvision_importable()
+    # Python warnings go through the same renderer as vLLM's log records.
+    logging.captureWarnings(True)

@@ -1,0 +1,185 @@
+"""Config -> vLLM arguments, and vLLM's OpenAI server run in this process.
+
+The role decides the vLLM settings that make it that role (connectors,
+encoder-only mode); everything else passes through from `[engine.vllm]`
+or `--vllm-arg`. vLLM's import paths move between releases: every import
+of vLLM's server internals lives in `_run()` below and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ascendserve.config import Config, ConfigError, redact_args
+from ascendserve.logging import get_logger, vllm_dictconfig
+
+# Settings the role owns; passing them through would silently change the role.
+OWNED = {
+    "model": "model.path / --model",
+    "host": "server.host / --host",
+    "port": "server.port / --port",
+    "served-model-name": "model.served_name / --served-model-name",
+    "tensor-parallel-size": "engine.tensor_parallel_size / --tensor-parallel-size",
+    "kv-transfer-config": "[kv] (the role picks the KV side)",
+    "ec-transfer-config": "[ec] (the role picks the EC side)",
+    "mm-encoder-only": "--role encoder",
+}
+
+KV_CONNECTORS = {"example": "ExampleConnector"}
+EC_CONNECTORS = {"example": "ECExampleConnector"}
+MIDDLEWARE = "ascendserve.engine.middleware.RequestContext"
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def kv_transfer_config(config: Config, kv_role: str) -> dict:
+    return {
+        "kv_connector": KV_CONNECTORS[config.kv.connector],
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {"shared_storage_path": config.kv.path},
+    }
+
+
+def ec_transfer_config(config: Config, ec_role: str) -> dict:
+    return {
+        "ec_connector": EC_CONNECTORS[config.ec.connector],
+        "ec_role": ec_role,
+        "ec_connector_extra_config": {"shared_storage_path": config.ec.path},
+    }
+
+
+def role_args(config: Config) -> list[str]:
+    """The vLLM arguments that make this process its role."""
+    role = config.role
+    args: list[str] = []
+    if role == "encoder":
+        args += ["--mm-encoder-only", "--no-enable-prefix-caching"]
+        args += ["--ec-transfer-config", _json(ec_transfer_config(config, "ec_producer"))]
+    if role == "prefill":
+        args += ["--kv-transfer-config", _json(kv_transfer_config(config, "kv_producer"))]
+    if role == "decode":
+        args += ["--kv-transfer-config", _json(kv_transfer_config(config, "kv_consumer"))]
+    if role in ("prefill", "pd") and config.ec.enabled:
+        # Cross-process EC reuse needs the in-process processor cache off,
+        # or vLLM skips sending the item the encoder already produced.
+        args += ["--ec-transfer-config", _json(ec_transfer_config(config, "ec_consumer"))]
+        args += ["--mm-processor-cache-gb", "0"]
+    return args
+
+
+def _option(key: str, value: Any) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if value is True:
+        return [flag]
+    if value is False:
+        return ["--no-" + key.replace("_", "-")]
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
+    if isinstance(value, dict):
+        return [flag, _json(value)]
+    return [flag, str(value)]
+
+
+def _arg_key(arg: str) -> str | None:
+    if not arg.startswith("--"):
+        return None
+    key = arg[2:].split("=", 1)[0].replace("_", "-")
+    return key[3:] if key.startswith("no-") and key[3:] in OWNED else key
+
+
+def passthrough_args(config: Config) -> list[str]:
+    """`[engine.vllm]` then `--vllm-arg`, refusing settings the role owns."""
+    args: list[str] = []
+    for key, value in config.engine.vllm.items():
+        args += _option(key, value)
+    args += config.engine.vllm_args
+    for arg in args:
+        key = _arg_key(arg)
+        if key in OWNED:
+            raise ConfigError(
+                f"vLLM argument --{key} is set by ascendserve; use {OWNED[key]} instead"
+            )
+    return args
+
+
+def build_argv(config: Config) -> list[str]:
+    e = config.engine
+    argv = [
+        "--model", config.model.path,
+        "--host", config.server.host,
+        "--port", str(config.server.port),
+        "--tensor-parallel-size", str(e.tensor_parallel_size),
+        "--dtype", e.dtype,
+        "--middleware", MIDDLEWARE,
+        "--disable-uvicorn-access-log",
+    ]
+    if config.model.served_name:
+        argv += ["--served-model-name", config.model.served_name]
+    for key in ("max_model_len", "max_num_seqs", "gpu_memory_utilization"):
+        if getattr(e, key) is not None:
+            argv += _option(key, getattr(e, key))
+    if e.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv + role_args(config) + passthrough_args(config)
+
+
+def prepare_environment(config: Config) -> dict[str, str]:
+    """Environment vLLM reads in this process and inherits into its children."""
+    run_dir = Path(config.runtime_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_file = run_dir / f"logging-{config.instance_id}-{os.getpid()}.json"
+    log_file.write_text(
+        json.dumps(vllm_dictconfig(config.role or "", config.instance_id, config.log.level, config.log.format))
+    )
+    return {
+        "VLLM_CONFIGURE_LOGGING": "1",
+        "VLLM_LOGGING_CONFIG_PATH": str(log_file),
+        "VLLM_LOGGING_LEVEL": config.log.level.upper(),
+        # vLLM's own CLI sets spawn; the fork default breaks accelerators.
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def serve(config: Config) -> int:
+    """Run vLLM's OpenAI server for `config` until it is told to stop."""
+    log = get_logger("ascendserve.engine")
+    argv = build_argv(config)
+    env = prepare_environment(config)
+    os.environ.update(env)
+    log.info("starting vLLM", vllm_args=redact_args(argv))
+    try:
+        return _run(argv)
+    finally:
+        Path(env["VLLM_LOGGING_CONFIG_PATH"]).unlink(missing_ok=True)
+
+
+def _run(argv: list[str]) -> int:
+    from ascendserve.engine.torchvision_compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="ascendserve (vLLM engine)"))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    try:
+        validate_parsed_serve_args(args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"vLLM rejected the engine arguments: {exc}") from None
+    try:
+        uvloop.run(run_server(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+

@@ -1,0 +1,1 @@
+"""Process supervision: children, process groups, restarts."""

@@ -1,0 +1,41 @@
+"""Make sure a role leaves no process behind.
+
+vLLM spawns its engine core and workers as children of the role process.
+They normally exit with it; `reap_children` is the deadline that guarantees
+it on every path (clean stop, error, interrupted start-up).
+"""
+
+from __future__ import annotations
+
+import psutil
+
+
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    # multiprocessing's resource tracker ignores SIGTERM on purpose and exits
+    # when we do, after unlinking any shared memory a child leaked: let it.
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def reap_children(timeout: float = 10.0) -> list[int]:
+    """Terminate, then kill after `timeout` seconds, every descendant of this
+    process. Returns the pids that had to be killed."""
+    try:
+        children = [c for c in psutil.Process().children(recursive=True) if not _is_resource_tracker(c)]
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+    return [c.pid for c in alive]

@@ -1,0 +1,114 @@
+"""structlog everywhere: one renderer for our lines, vLLM's, and uvicorn's.
+
+Every line carries `role` and `instance_id`; lines emitted while a request is
+being served carry its `request_id` (bound at the HTTP edge with
+structlog.contextvars). JSON when stderr is not a terminal, console otherwise.
+
+vLLM configures logging in each of its processes (API server, engine core,
+workers) from a dictConfig file named by VLLM_LOGGING_CONFIG_PATH;
+`vllm_dictconfig()` builds that file so vLLM's own records go through the
+same formatter.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.config
+import sys
+from typing import Any
+
+import structlog
+
+def use_json(fmt: str) -> bool:
+    if fmt == "json":
+        return True
+    if fmt == "console":
+        return False
+    return not sys.stderr.isatty()
+
+
+def _static_fields(fields: dict[str, Any]):
+    def add(_logger, _method, event_dict):
+        for k, v in fields.items():
+            event_dict.setdefault(k, v)
+        return event_dict
+
+    return add
+
+
+def _foreign_fields(_logger, _method, event_dict):
+    event_dict.pop("color_message", None)  # uvicorn's ANSI duplicate of `event`
+    record = event_dict.get("_record")
+    if record is not None:
+        event_dict.setdefault("logger", record.name)
+        if record.processName != "MainProcess":
+            event_dict.setdefault("process", record.processName)
+        event_dict.setdefault("pid", record.process)
+    return event_dict
+
+
+def make_formatter(role: str = "", instance_id: str = "", fmt: str = "auto") -> logging.Formatter:
+    """A stdlib Formatter rendering any record as a structlog event.
+
+    Referenced by name from the dictConfig vLLM loads in its child processes,
+    hence a module-level factory with plain-string arguments."""
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if use_json(fmt)
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.ExtraAdder(), _foreign_fields],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _static_fields({"role": role, "instance_id": instance_id}),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+    )
+
+
+def vllm_dictconfig(role: str, instance_id: str, level: str, fmt: str) -> dict:
+    """dictConfig for every vLLM process: our formatter on the root logger."""
+    lvl = level.upper()
+    handler = {"class": "logging.StreamHandler", "formatter": "ascendserve", "stream": "ext://sys.stderr"}
+    own = {"handlers": ["ascendserve"], "level": lvl, "propagate": False}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "ascendserve": {
+                "()": "ascendserve.logging.make_formatter",
+                "role": role,
+                "instance_id": instance_id,
+                "fmt": fmt,
+            }
+        },
+        "handlers": {"ascendserve": handler},
+        "loggers": {name: dict(own) for name in ("vllm", "uvicorn", "uvicorn.error", "uvicorn.access", "ascendserve")},
+        "root": {"handlers": ["ascendserve"], "level": lvl},
+    }
+
+
+def configure(role: str, instance_id: str, level: str = "info", fmt: str = "auto") -> None:
+    """Configure structlog and stdlib logging for this process."""
+    logging.config.dictConfig(vllm_dictconfig(role, instance_id, level, fmt))
+    logging.captureWarnings(True)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+
+
+def get_logger(name: str = "ascendserve") -> structlog.stdlib.BoundLogger:
+    return structlog.get_logger(name)

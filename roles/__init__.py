@@ -1,0 +1,1 @@
+"""One small module per role: read config, build the parts, run them."""
