@@ -34,18 +34,18 @@ VOCAB_SIZE = BYTE_VOCAB + len(SPECIAL_TOKENS)  # every id decodes to something
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "<|im_start|>{{ message['role'] }}\n"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string -%}{{ message['content'] }}"
     "{%- else -%}{%- for item in message['content'] -%}"
-    "{%- if item['type'] in ('image', 'image_url') or 'image' in item -%}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif item['type'] in ('video', 'video_url') or 'video' in item -%}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- if item['type'] in ('image', 'image_url', 'image_pil') -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] in ('video', 'video_url') -%}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "<|im_end|>\n"
+    "{{ '<|im_end|>\\n' }}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
 

@@ -1,0 +1,128 @@
+"""Start real ascendserve / vLLM processes on 127.0.0.1 and stop them cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+PYTHON = sys.executable
+READY_TIMEOUT_S = 240.0
+
+# Deterministic, quiet CPU settings for every engine the tests start.
+ENGINE_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+# The same engine settings for ours and for plain vLLM, so outputs compare.
+ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    port: int
+    log_path: Path
+    env: dict = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Proc":
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **ENGINE_ENV, **self.env},
+            start_new_session=True,  # own process group: teardown can reach every child
+        )
+        return self
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Proc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_text()[-4000:]}")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.popen.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL of the whole process group after `timeout`."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.popen.wait(5)
+        self._log.close()
+
+
+def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | None = None, env: dict | None = None) -> Proc:
+    port = free_port()
+    argv = [PYTHON, "-m", "ascendserve", "--role", role, "--model", str(model), "--port", str(port),
+            *ENGINE_ARGS, *extra]
+    name = name or role
+    return Proc(name, argv, port, log_dir / f"{name}.log", env or {})
+
+
+def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm") -> Proc:
+    port = free_port()
+    argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
+    return Proc(name, argv, port, log_dir / f"{name}.log")
+
+
+def start_all(*procs: Proc) -> None:
+    """Start several engines at once (they load in parallel), wait for all."""
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.wait_ready()
+    except Exception:
+        for p in procs:
+            p.stop(timeout=5)
+        raise

@@ -1,0 +1,170 @@
+"""Config: precedence, and one test per class of bad input (exit 2 + message)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ascendserve.config import REDACTED, ConfigError, load, redacted
+
+
+@pytest.fixture()
+def model_dir(tmp_path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "conf.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "ascendserve", *args],
+        capture_output=True, text=True, timeout=60,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("ASCENDSERVE_")}, **(env or {})},
+    )
+
+
+def test_precedence_defaults_file_env_flags(tmp_path, model_dir):
+    f = write(tmp_path, f'[server]\nport = 9001\nhost = "0.0.0.0"\n[model]\npath = "{model_dir}"\n[log]\nlevel = "debug"\n')
+    c = load("pd", f, {}, env={})
+    assert (c.server.port, c.server.host, c.log.level) == (9001, "0.0.0.0", "debug")
+    c = load("pd", f, {}, env={"ASCENDSERVE_PORT": "9002"})
+    assert (c.server.port, c.server.host) == (9002, "0.0.0.0")
+    c = load("pd", f, {"server__port": "9003"}, env={"ASCENDSERVE_PORT": "9002"})
+    assert c.server.port == 9003
+    c = load("pd", None, {"model__path": str(model_dir)}, env={})
+    assert (c.server.port, c.server.host, c.log.level) == (8000, "127.0.0.1", "info")
+    assert c.instance_id.startswith("pd-") and c.kv.path and c.ec.path
+
+
+def test_role_from_env_and_file(tmp_path, model_dir):
+    f = write(tmp_path, f'role = "decode"\n[model]\npath = "{model_dir}"\n')
+    assert load(None, f, {}, env={}).role == "decode"
+    assert load(None, f, {}, env={"ASCENDSERVE_ROLE": "prefill"}).role == "prefill"
+
+
+def test_vllm_args_from_file_and_flags_accumulate(tmp_path, model_dir):
+    f = write(tmp_path, f'[model]\npath = "{model_dir}"\n[engine]\nvllm_args = ["--seed=1"]\n[engine.vllm]\nmax-num-batched-tokens = 512\n')
+    c = load("pd", f, {"engine__vllm_args": ["--enable-chunked-prefill"]}, env={})
+    assert c.engine.vllm_args == ["--seed=1", "--enable-chunked-prefill"]
+    assert c.engine.vllm == {"max-num-batched-tokens": 512}
+
+
+def test_unknown_key(tmp_path, model_dir):
+    f = write(tmp_path, f'[server]\nprot = 1\n[model]\npath = "{model_dir}"\n')
+    r = cli("--role", "pd", "--config", f)
+    assert r.returncode == 2
+    assert "unknown key 'server.prot'" in r.stderr and "allowed keys in [server]: host, port" in r.stderr
+
+
+def test_unknown_top_level_key(tmp_path):
+    r = cli("--role", "pd", "--config", write(tmp_path, "sever = 1\n"))
+    assert r.returncode == 2 and "unknown key 'sever'" in r.stderr and "server" in r.stderr
+
+
+def test_wrong_type(tmp_path, model_dir):
+    f = write(tmp_path, f'[server]\nport = "eighty"\n[model]\npath = "{model_dir}"\n')
+    r = cli("--role", "pd", "--config", f)
+    assert r.returncode == 2
+    assert "server.port = 'eighty'" in r.stderr and "Expected `int`" in r.stderr and "allowed: int" in r.stderr
+
+
+def test_wrong_type_in_file_is_strict(tmp_path, model_dir):
+    # A TOML string is not silently turned into a number.
+    with pytest.raises(ConfigError, match="server.port = '8080'"):
+        load("pd", write(tmp_path, f'[server]\nport = "8080"\n[model]\npath = "{model_dir}"\n'), {}, env={})
+
+
+def test_wrong_choice(model_dir):
+    r = cli("--role", "pd", "--model", str(model_dir), "--log-level", "loud")
+    assert r.returncode == 2
+    assert "log.level = 'loud'" in r.stderr and "'debug', 'info', 'warning', 'error'" in r.stderr
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1"])
+def test_port_out_of_range_flag(model_dir, port):
+    r = cli("--role", "pd", "--model", str(model_dir), f"--port={port}")
+    assert r.returncode == 2
+    assert f"server.port = '{port}' (from --port)" in r.stderr and "allowed: int >= 1 and <= 65535" in r.stderr
+
+
+def test_port_out_of_range_env(model_dir):
+    r = cli("--role", "pd", "--model", str(model_dir), env={"ASCENDSERVE_PORT": "70000"})
+    assert r.returncode == 2 and "from $ASCENDSERVE_PORT" in r.stderr and "<= 65535" in r.stderr
+
+
+def test_port_out_of_range_file(tmp_path, model_dir):
+    r = cli("--role", "pd", "--config", write(tmp_path, f'[server]\nport = 70000\n[model]\npath = "{model_dir}"\n'))
+    assert r.returncode == 2 and "server.port = 70000" in r.stderr and "<= 65535" in r.stderr
+
+
+def test_missing_model_path(tmp_path):
+    missing = tmp_path / "nope"
+    r = cli("--role", "pd", "--model", str(missing))
+    assert r.returncode == 2
+    assert f"model.path = '{missing}' does not exist" in r.stderr
+
+
+def test_model_dir_without_config(tmp_path):
+    r = cli("--role", "decode", "--model", str(tmp_path))
+    assert r.returncode == 2 and "has no config.json" in r.stderr
+
+
+def test_model_required_for_engine_roles():
+    r = cli("--role", "encoder")
+    assert r.returncode == 2 and "model.path is required" in r.stderr
+
+
+def test_bad_toml_syntax(tmp_path):
+    r = cli("--role", "pd", "--config", write(tmp_path, "[server\nport = 1\n"))
+    assert r.returncode == 2 and "is not valid TOML" in r.stderr
+
+
+def test_missing_config_file(tmp_path):
+    r = cli("--role", "pd", "--config", str(tmp_path / "absent.toml"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_unknown_role():
+    r = cli("--role", "router")
+    assert r.returncode == 2 and "invalid choice: 'router'" in r.stderr
+
+
+def test_no_role():
+    r = cli()
+    assert r.returncode == 2 and "no role given" in r.stderr
+
+
+def test_role_owned_vllm_argument_refused(model_dir):
+    r = cli("--role", "decode", "--model", str(model_dir), "--vllm-arg=--kv-transfer-config={}")
+    assert r.returncode == 2
+    assert "--kv-transfer-config is set by ascendserve" in r.stderr and "[kv]" in r.stderr
+
+
+def test_secrets_redacted(model_dir):
+    c = load("pd", None, {"model__path": str(model_dir), "cluster__token": "s3cret",
+                          "engine__vllm_args": ["--api-key", "k3y", "--seed=1"]}, env={})
+    shown = redacted(c)
+    assert shown["cluster"]["token"] == REDACTED
+    assert shown["engine"]["vllm_args"] == ["--api-key", REDACTED, "--seed=1"]
+    assert "s3cret" not in repr(shown) and "k3y" not in repr(shown)
+
+
+def test_shipped_configs_are_valid(model_dir):
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    files = sorted(conf.glob("*.toml"))
+    assert {f.stem for f in files} >= {"encoder", "prefill", "decode", "pd", "proxy", "metaserver", "elastic-server", "all"}
+    for f in files:
+        c = load(None, str(f), {"model__path": str(model_dir)}, env={})
+        assert c.role == f.stem, f

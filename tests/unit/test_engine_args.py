@@ -1,0 +1,73 @@
+"""What each engine role asks of vLLM (no vLLM started here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ascendserve.config import ConfigError, load
+from ascendserve.engine.vllm_server import build_argv
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def argv_for(role, model_dir, **flags):
+    return build_argv(load(role, None, {"model__path": model_dir, **flags}, env={}))
+
+
+def option(argv, name):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_encoder_is_encoder_only_ec_producer(model_dir):
+    argv = argv_for("encoder", model_dir, ec__path="/shared/ec")
+    assert "--mm-encoder-only" in argv and "--no-enable-prefix-caching" in argv
+    ec = json.loads(option(argv, "--ec-transfer-config"))
+    assert ec == {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+                  "ec_connector_extra_config": {"shared_storage_path": "/shared/ec"}}
+    assert "--kv-transfer-config" not in argv
+
+
+@pytest.mark.parametrize("role,kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_prefill_and_decode_kv_sides(model_dir, role, kv_role):
+    argv = argv_for(role, model_dir, kv__path="/shared/kv")
+    kv = json.loads(option(argv, "--kv-transfer-config"))
+    assert kv["kv_role"] == kv_role and kv["kv_connector"] == "ExampleConnector"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/shared/kv"
+    assert "--ec-transfer-config" not in argv and "--mm-encoder-only" not in argv
+
+
+@pytest.mark.parametrize("role", ["pd", "prefill"])
+def test_ec_consumer_only_behind_an_encoder(model_dir, role):
+    assert "--ec-transfer-config" not in argv_for(role, model_dir)
+    argv = argv_for(role, model_dir, ec__enabled=True)
+    assert json.loads(option(argv, "--ec-transfer-config"))["ec_role"] == "ec_consumer"
+    assert option(argv, "--mm-processor-cache-gb") == "0"
+
+
+def test_common_arguments_and_passthrough(tmp_path, model_dir):
+    conf = tmp_path / "c.toml"
+    conf.write_text('[engine.vllm]\nmax-num-batched-tokens = 512\nenable-prefix-caching = false\n'
+                    'limit-mm-per-prompt = {image = 2}\n')
+    c = load("pd", str(conf), {"model__path": model_dir, "server__port": "8123", "engine__enforce_eager": True,
+                               "engine__max_model_len": "2048", "engine__vllm_args": ["--seed=7"]}, env={})
+    argv = build_argv(c)
+    assert option(argv, "--model") == model_dir and option(argv, "--port") == "8123"
+    assert option(argv, "--host") == "127.0.0.1" and "--enforce-eager" in argv
+    assert option(argv, "--max-model-len") == "2048"
+    assert option(argv, "--max-num-batched-tokens") == "512"
+    assert "--no-enable-prefix-caching" in argv
+    assert json.loads(option(argv, "--limit-mm-per-prompt")) == {"image": 2}
+    assert argv[-1] == "--seed=7"
+    assert option(argv, "--middleware") == "ascendserve.engine.middleware.RequestContext"
+
+
+@pytest.mark.parametrize("arg", ["--port=1", "--model", "--no-mm-encoder-only", "--tensor_parallel_size=2"])
+def test_owned_arguments_refused(model_dir, arg):
+    with pytest.raises(ConfigError, match="is set by ascendserve"):
+        argv_for("pd", model_dir, engine__vllm_args=[arg])
