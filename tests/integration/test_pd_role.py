@@ -1,0 +1,93 @@
+"""`ascendserve --role pd` as a subprocess, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.procs import ascendserve
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def pd(text_model, tmp_path_factory):
+    proc = ascendserve("pd", text_model, tmp_path_factory.mktemp("pd-logs"), "--log-format", "json")
+    proc.start().wait_ready()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(pd):
+    return openai.OpenAI(base_url=pd.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_lists_the_model(client, text_model):
+    assert [m.id for m in client.models.list().data] == [str(text_model)]
+
+
+def test_streamed_chat_completion(client, text_model):
+    stream = client.chat.completions.create(
+        model=str(text_model),
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    ids = {c.id for c in chunks}
+    assert len(ids) == 1 and next(iter(ids))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12 and usage.prompt_tokens > 5
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert content
+
+
+def test_non_streamed_completion(client, text_model):
+    r = client.completions.create(model=str(text_model), prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert r.id and r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == len("Once upon a time")
+
+
+def test_request_id_is_echoed_and_logged(pd, text_model):
+    r = httpx.post(pd.url + "/v1/completions", headers={"x-request-id": "itest-req-1"}, timeout=60,
+                   json={"model": str(text_model), "prompt": "hello", "max_tokens": 3})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "itest-req-1"
+    time.sleep(0.5)
+    events = [json.loads(line) for line in pd.log_text().splitlines() if line.startswith("{")]
+    canonical = [e for e in events if e.get("event") == "request" and e.get("request_id") == "itest-req-1"]
+    assert len(canonical) == 1
+    assert canonical[0]["status"] == 200 and canonical[0]["path"] == "/v1/completions"
+    assert canonical[0]["role"] == "pd" and canonical[0]["instance_id"].startswith("pd-")
+    # vLLM's own records come through the same renderer, engine core included.
+    assert any(e.get("logger", "").startswith("vllm.") and e.get("process") == "EngineCore" for e in events)
+    assert any(e.get("event") == "effective config" for e in events)
+
+
+def test_bad_request_is_a_4xx_with_openai_error(client, text_model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=str(text_model), prompt="x", max_tokens=-3)
+    assert info.value.status_code == 400
+
+
+def test_zz_sigterm_stops_engine_processes(pd):
+    """Runs last in this module: it stops the shared instance."""
+    children = pd.descendants()
+    assert any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in children), children
+    pd.popen.send_signal(signal.SIGTERM)
+    assert pd.popen.wait(timeout=60) == 0
+    deadline = time.monotonic() + 15
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
