@@ -26,6 +26,8 @@ ROLE_MODULES = {
     "prefill": "roles.prefill",
     "decode": "roles.decode",
     "pd": "roles.pd",
+    "metaserver": "roles.metaserver",
+    "proxy": "roles.proxy",
 }
 
 ROLE_SUMMARY = {
@@ -67,6 +69,8 @@ def _role_parser(role: str | None) -> argparse.ArgumentParser:
             kwargs |= {"action": "store_const", "const": True, "default": None}
         elif flag.repeatable:
             kwargs |= {"action": "append", "default": None, "metavar": "ARG"}
+        elif flag.many:
+            kwargs |= {"nargs": "+", "default": None}
         parser.add_argument(flag.name, **kwargs)
     return parser
 

@@ -77,6 +77,57 @@ class LogConfig(_Section):
 class ClusterConfig(_Section):
     token: str = ""
     metaserver_url: str = ""
+    # Address peers use to reach this instance; default: server.host, or this
+    # host's name when bound to a wildcard address.
+    advertise_host: str = ""
+
+
+Seconds = Annotated[float, Meta(gt=0.0)]
+NonNegative = Annotated[float, Meta(ge=0.0)]
+PortList = list[Port]
+CountList = list[Annotated[int, Meta(ge=1)]]
+
+
+class ProxyConfig(_Section):
+    mode: Literal["pull", "push"] = "pull"
+    encoder_dispatch: Literal["single", "fanout"] = "single"
+    encoder_fallback: Literal["local", "fail"] = "local"
+    max_retries: Annotated[int, Meta(ge=0, le=20)] = 3
+    retry_backoff_s: NonNegative = 0.05
+    request_timeout_s: Seconds = 600.0
+    connect_timeout_s: Seconds = 5.0
+    health_interval_s: Seconds = 5.0
+    health_timeout_s: Seconds = 3.0
+    eject_after: PositiveInt = 3
+    registry_poll_s: Seconds = 1.0
+    max_body_mb: Annotated[float, Meta(gt=0.0, le=1024.0)] = 32.0
+    api_keys: list[str] = []
+    backend_api_key: str = ""
+    # Static instances: "host:port" or "http://host:port".
+    encoder: list[str] = []
+    prefill: list[str] = []
+    decode: list[str] = []
+    pd: list[str] = []
+    # vllm-ascend example-proxy flags: hosts x count, ports x consecutive count.
+    prefiller_hosts: list[str] = []
+    prefiller_ports: PortList = []
+    prefiller_hosts_num: CountList = []
+    prefiller_ports_inc: CountList = []
+    decoder_hosts: list[str] = []
+    decoder_ports: PortList = []
+    decoder_hosts_num: CountList = []
+    decoder_ports_inc: CountList = []
+
+
+class MetaserverConfig(_Section):
+    heartbeat_interval_s: Seconds = 2.0
+    heartbeat_timeout_s: Seconds = 6.0
+    push_expect_ttl_s: Seconds = 120.0
+
+
+class AllConfig(_Section):
+    topology: Literal["1E1P1D", "1P1D", "1E1PD", "mono"] = "1E1P1D"
+    restart_backoff_max_s: Seconds = 30.0
 
 
 class Config(_Section):
@@ -90,6 +141,9 @@ class Config(_Section):
     ec: ECConfig = msgspec.field(default_factory=ECConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
+    metaserver: MetaserverConfig = msgspec.field(default_factory=MetaserverConfig)
+    all: AllConfig = msgspec.field(default_factory=AllConfig)
 
     @property
     def is_engine(self) -> bool:
@@ -106,6 +160,7 @@ class Flag:
     roles: tuple[str, ...] = ROLES
     repeatable: bool = False
     switch: bool = False
+    many: bool = False  # nargs="+"; the env twin is comma- or space-separated
 
     @property
     def env(self) -> str:
@@ -125,7 +180,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-format", "log.format", "auto (JSON unless stderr is a terminal) | json | console"),
     Flag("--cluster-token", "cluster.token", "shared secret for internal routes"),
     Flag("--metaserver-url", "cluster.metaserver_url", "metaserver to register with"),
-    Flag("--model", "model.path", "local model directory", ENGINE_ROLES),
+    Flag("--model", "model.path", "local model directory (role all: default a tiny demo model)", ENGINE_ROLES + ("all",)),
     Flag("--served-model-name", "model.served_name", "model name clients use (default: the path)", ENGINE_ROLES),
     Flag("--tensor-parallel-size", "engine.tensor_parallel_size", "tensor parallel ranks", ENGINE_ROLES),
     Flag("--dtype", "engine.dtype", "weights/activations dtype passed to vLLM", ENGINE_ROLES),
@@ -139,6 +194,24 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--ec-connector", "ec.connector", "encoder-cache connector", ("encoder", "prefill", "pd")),
     Flag("--ec-path", "ec.path", "storage path of the example EC connector", ("encoder", "prefill", "pd")),
     Flag("--ec-enabled", "ec.enabled", "load encoder outputs from the EC store (topology has an encoder)", ("prefill", "pd"), switch=True),
+    Flag("--mode", "proxy.mode", "P/D hand-off: pull | push (push needs --metaserver-url)", ("proxy", "all")),
+    Flag("--encoder-dispatch", "proxy.encoder_dispatch", "single | fanout (one encoder call per item)", ("proxy",)),
+    Flag("--encoder-fallback", "proxy.encoder_fallback", "all encoders down: local (PD encodes) | fail", ("proxy",)),
+    Flag("--max-retries", "proxy.max_retries", "retries of a failed hop before the first byte", ("proxy",)),
+    Flag("--api-key", "proxy.api_keys", "accepted client API key(s)", ("proxy", "all"), many=True),
+    Flag("--encoder", "proxy.encoder", "static encoder instances host:port", ("proxy",), many=True),
+    Flag("--prefill", "proxy.prefill", "static prefill instances host:port", ("proxy",), many=True),
+    Flag("--decode", "proxy.decode", "static decode instances host:port", ("proxy",), many=True),
+    Flag("--pd", "proxy.pd", "static pd instances host:port", ("proxy",), many=True),
+    Flag("--prefiller-hosts", "proxy.prefiller_hosts", "vllm-ascend compatible", ("proxy",), many=True),
+    Flag("--prefiller-ports", "proxy.prefiller_ports", "vllm-ascend compatible", ("proxy",), many=True),
+    Flag("--prefiller-hosts-num", "proxy.prefiller_hosts_num", "repeat each prefiller host N times", ("proxy",), many=True),
+    Flag("--prefiller-ports-inc", "proxy.prefiller_ports_inc", "N consecutive ports from each prefiller port", ("proxy",), many=True),
+    Flag("--decoder-hosts", "proxy.decoder_hosts", "vllm-ascend compatible", ("proxy",), many=True),
+    Flag("--decoder-ports", "proxy.decoder_ports", "vllm-ascend compatible", ("proxy",), many=True),
+    Flag("--decoder-hosts-num", "proxy.decoder_hosts_num", "repeat each decoder host N times", ("proxy",), many=True),
+    Flag("--decoder-ports-inc", "proxy.decoder_ports_inc", "N consecutive ports from each decoder port", ("proxy",), many=True),
+    Flag("--topology", "all.topology", "1E1P1D | 1P1D | 1E1PD | mono", ("all",)),
 )
 
 _SECRET_KEY = re.compile(r"(token|secret|password|api[-_]?key)", re.IGNORECASE)
@@ -256,6 +329,8 @@ def _from_strings(pairs: list[tuple[Flag, Any, str]]) -> dict:
         tp = _leaf_type(flag.key)
         if flag.repeatable and isinstance(value, str):
             value = _split_words(value)
+        if flag.many and isinstance(value, str):
+            value = value.replace(",", " ").split()
         _set(tree, flag.key, _check_leaf(flag.key, value, tp, source, strict=False))
     return tree
 
@@ -307,7 +382,75 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
             config.kv.path = str(Path(config.runtime_dir) / "kv")
         if not config.ec.path:
             config.ec.path = str(Path(config.runtime_dir) / "ec")
+    if config.role == "all" and config.model.path:
+        _check_model(config.model.path)
+    if config.cluster.metaserver_url:
+        _check_callback_url("cluster.metaserver_url", config.cluster.metaserver_url)
+    if config.role == "proxy":
+        _finish_proxy(config.proxy, config.cluster)
     return config
+
+
+def _check_callback_url(key: str, url: str) -> None:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{key} = {url!r} is invalid; allowed: http(s)://host:port")
+    if parts.hostname in ("0.0.0.0", "::"):
+        raise ConfigError(f"{key} = {url!r} is a wildcard address; peers call it back, "
+                          "so give a reachable host name or address")
+
+
+def instance_url(key: str, address: str) -> str:
+    """'host:port' or 'http(s)://host:port' -> base URL; ConfigError otherwise."""
+    url = address if "://" in address else f"http://{address}"
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port = None
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise ConfigError(f"{key}: {address!r} is invalid; allowed: host:port or http(s)://host:port "
+                          "with a port in 1..65535")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _expand(kind: str, hosts: list[str], ports: list[int], hosts_num: list[int], ports_inc: list[int]) -> list[str]:
+    """vllm-ascend's expansion: each host repeated hosts_num times, each port
+    widened to ports_inc consecutive ports, then zipped pairwise."""
+    if hosts_num:
+        if len(hosts_num) != len(hosts):
+            raise ConfigError(f"--{kind}-hosts-num has {len(hosts_num)} values for {len(hosts)} --{kind}-hosts")
+        hosts = [h for h, n in zip(hosts, hosts_num) for _ in range(n)]
+    if ports_inc:
+        if len(ports_inc) != len(ports):
+            raise ConfigError(f"--{kind}-ports-inc has {len(ports_inc)} values for {len(ports)} --{kind}-ports")
+        ports = [p + i for p, n in zip(ports, ports_inc) for i in range(n)]
+    if len(hosts) != len(ports):
+        raise ConfigError(f"{len(hosts)} {kind} hosts but {len(ports)} {kind} ports (after expansion); "
+                          "they pair up one to one")
+    for port in ports:
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"--{kind}-ports expands to {port}; allowed: 1..65535")
+    return [f"{h}:{p}" for h, p in zip(hosts, ports)]
+
+
+def _finish_proxy(proxy: ProxyConfig, cluster: ClusterConfig) -> None:
+    if proxy.prefiller_hosts or proxy.prefiller_ports:
+        proxy.prefill += _expand("prefiller", proxy.prefiller_hosts, proxy.prefiller_ports,
+                                 proxy.prefiller_hosts_num, proxy.prefiller_ports_inc)
+    if proxy.decoder_hosts or proxy.decoder_ports:
+        proxy.decode += _expand("decoder", proxy.decoder_hosts, proxy.decoder_ports,
+                                proxy.decoder_hosts_num, proxy.decoder_ports_inc)
+    for role in ("encoder", "prefill", "decode", "pd"):
+        setattr(proxy, role, [instance_url(f"proxy.{role}", a) for a in getattr(proxy, role)])
+    if proxy.mode == "push" and not cluster.metaserver_url:
+        raise ConfigError("proxy.mode = 'push' needs cluster.metaserver_url (--metaserver-url): "
+                          "decode instances ask the metaserver to dispatch their prefill")
 
 
 def _check_model(path: str) -> None:
@@ -323,8 +466,17 @@ def _check_model(path: str) -> None:
                           "allowed: a local model directory holding config.json")
 
 
+# Sections that mean something to each kind of role (the rest is noise in its log).
+_SECTIONS = {
+    "engine": {"role", "instance_id", "runtime_dir", "server", "model", "engine", "kv", "ec", "log", "cluster"},
+    "proxy": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "proxy"},
+    "metaserver": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "metaserver"},
+}
+
+
 def redacted(config: Config) -> dict:
-    """The effective config as a dict, with every secret-looking value masked."""
+    """The effective config as a dict, secret-looking values masked, limited to
+    the sections this role uses."""
 
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
@@ -333,7 +485,11 @@ def redacted(config: Config) -> dict:
             return redact_args(node)
         return node
 
-    return walk(msgspec.to_builtins(config))
+    tree = msgspec.to_builtins(config)
+    kind = "engine" if config.is_engine else config.role
+    if kind in _SECTIONS:
+        tree = {k: v for k, v in tree.items() if k in _SECTIONS[kind]}
+    return walk(tree)
 
 
 def redact_args(argv: list[str]) -> list[str]:

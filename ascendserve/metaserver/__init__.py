@@ -1,0 +1,1 @@
+"""The metaserver: cluster registry and push-mode prefill dispatch. No torch."""

@@ -1,0 +1,60 @@
+"""Live engine instances, each on a heartbeat deadline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ascendserve.protocol.registry import InstanceView, Load, Registration, RegistryView
+
+
+@dataclass
+class _Entry:
+    reg: Registration
+    registered_at: float
+    deadline: float
+
+
+class Registry:
+    def __init__(self, heartbeat_timeout_s: float, clock=time.monotonic):
+        self.timeout = heartbeat_timeout_s
+        self.clock = clock
+        self.revision = 0
+        self._entries: dict[str, _Entry] = {}
+
+    def register(self, reg: Registration) -> None:
+        now = self.clock()
+        old = self._entries.get(reg.instance_id)
+        self._entries[reg.instance_id] = _Entry(reg, old.registered_at if old else now, now + self.timeout)
+        if old is None or old.reg.url != reg.url or old.reg.role != reg.role or old.reg.model != reg.model:
+            self.revision += 1
+
+    def heartbeat(self, instance_id: str, load: Load) -> bool:
+        entry = self._entries.get(instance_id)
+        if entry is None:
+            return False
+        entry.reg.load = load
+        entry.deadline = self.clock() + self.timeout
+        return True
+
+    def remove(self, instance_id: str) -> bool:
+        if self._entries.pop(instance_id, None) is None:
+            return False
+        self.revision += 1
+        return True
+
+    def expire(self) -> list[str]:
+        """Drop every instance whose heartbeat deadline passed; return their ids."""
+        now = self.clock()
+        gone = [i for i, e in self._entries.items() if e.deadline < now]
+        for instance_id in gone:
+            self.remove(instance_id)
+        return gone
+
+    def view(self, role: str | None = None) -> RegistryView:
+        now = self.clock()
+        return RegistryView(
+            revision=self.revision, heartbeat_timeout_s=self.timeout,
+            instances=[InstanceView(instance_id=i, role=e.reg.role, url=e.reg.url, model=e.reg.model,
+                                    version=e.reg.version, load=e.reg.load, age_s=round(now - e.registered_at, 3))
+                       for i, e in sorted(self._entries.items()) if role is None or e.reg.role == role])

@@ -1,0 +1,1 @@
+"""Wire types: one module per contract, imported by every side. No torch."""

@@ -1,0 +1,61 @@
+"""Registry messages between engine roles, the metaserver and the proxy (JSON over HTTP)."""
+
+from __future__ import annotations
+
+import msgspec
+
+ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
+
+
+class Load(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    running: int = 0
+    waiting: int = 0
+
+
+class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/registry/register: an engine instance announces itself."""
+
+    instance_id: str
+    role: str
+    url: str
+    model: str
+    version: str = ""
+    load: Load = msgspec.field(default_factory=Load)
+
+    def check(self) -> str | None:
+        if self.role not in ENGINE_ROLES:
+            return f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}"
+        if not self.url.startswith(("http://", "https://")):
+            return f"url must be http(s)://host:port, got {self.url!r}"
+        if not self.instance_id or len(self.instance_id) > 256:
+            return "instance_id must be 1..256 characters"
+        return None
+
+
+class Heartbeat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/registry/heartbeat; 404 means "unknown, register again"."""
+
+    instance_id: str
+    load: Load = msgspec.field(default_factory=Load)
+
+
+class Deregistration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    instance_id: str
+
+
+class InstanceView(msgspec.Struct, kw_only=True):
+    instance_id: str
+    role: str
+    url: str
+    model: str
+    version: str
+    load: Load
+    age_s: float
+
+
+class RegistryView(msgspec.Struct, kw_only=True):
+    """GET /v1/registry/instances: the live set; `revision` grows on every change."""
+
+    revision: int
+    heartbeat_timeout_s: float
+    instances: list[InstanceView]

@@ -1,0 +1,248 @@
+"""The proxy's HTTP API (Litestar). Client routes take the API key; admin routes the cluster token.
+
+Client:  POST /v1/chat/completions, POST /v1/completions, GET /v1/models
+Ops:     GET /health (per role, 503 when a role has no healthy instance),
+         GET /healthcheck (vllm-ascend's counts), GET /metrics (Prometheus)
+Admin:   POST /instances/add, POST /instances/remove (vllm-ascend bodies), GET /instances,
+         POST /start_profile, /stop_profile, /reset_prefix_cache (fan-out)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import msgspec
+import structlog
+from litestar import Litestar, Request, Response, Router, get, post
+from litestar.datastructures import State
+from litestar.response import Stream
+
+from ascendserve.config import Config, ConfigError, instance_url
+from ascendserve.protocol.openai import APIError, parse
+from ascendserve.router.discovery import RegistryWatch
+from ascendserve.router.health import HealthMonitor
+from ascendserve.router.metrics import ProxyMetrics
+from ascendserve.router.pipeline import Pipeline
+from ascendserve.router.pools import ACTIVE, ROLES, Pools
+from ascendserve.web.auth import bearer_guard
+from ascendserve.web.errors import EXCEPTION_HANDLERS
+from ascendserve.web.upstream import Upstream, UpstreamError
+
+log = structlog.get_logger("ascendserve.proxy")
+ADMIN_TYPES = ("prefill", "decode", "encoder", "pd")
+
+
+async def _serve(kind: str, request: Request, state: State) -> Response | Stream:
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    started = time.monotonic()
+    route = "chat" if kind == "chat" else "completions"
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        try:
+            body = parse(await request.body(), kind)
+            reply = await state.pipeline.handle(kind, body, request_id)
+        except APIError as exc:
+            state.metrics.requests.labels(route, str(exc.status)).inc()
+            state.metrics.errors.labels("client" if exc.status < 500 else "backend").inc()
+            log.info("request", route=route, status=exc.status, error=exc.message[:200],
+                     duration_ms=_ms(started))
+            raise
+    headers = {"x-request-id": request_id}
+    state.metrics.requests.labels(route, "200").inc()
+    if reply.stream is None:
+        log.info("request", request_id=request_id, route=route, status=200, backend=reply.backend,
+                 duration_ms=_ms(started))
+        return Response(msgspec.json.encode(reply.body), media_type="application/json", headers=headers)
+    return Stream(_logged(reply.stream, request_id, route, reply.backend, started),
+                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+
+
+async def _logged(stream, request_id: str, route: str, backend: str, started: float):
+    outcome = "ok"
+    try:
+        async for chunk in stream:
+            yield chunk
+    except BaseException:
+        outcome = "client_disconnected"
+        raise
+    finally:
+        await stream.aclose()
+        log.info("request", request_id=request_id, route=route, status=200, stream=True, backend=backend,
+                 outcome=outcome, duration_ms=_ms(started))
+
+
+def _ms(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 2)
+
+
+@post("/v1/chat/completions")
+async def chat(request: Request, state: State) -> Response | Stream:
+    return await _serve("chat", request, state)
+
+
+@post("/v1/completions")
+async def completions(request: Request, state: State) -> Response | Stream:
+    return await _serve("completions", request, state)
+
+
+@get("/v1/models")
+async def models(state: State) -> dict:
+    now = int(time.time())
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "ascendserve"}
+                                       for m in state.pools.models()]}
+
+
+@get("/healthcheck")
+async def healthcheck(state: State) -> dict:
+    pools: Pools = state.pools
+    return {"status": "ok", **{f"{r}_instances": len(pools[r].active()) for r in ROLES},
+            "request_num": pools.in_flight()}
+
+
+@get("/health")
+async def health(state: State) -> Response:
+    pools: Pools = state.pools
+    roles = {r: {"healthy": len(pools[r].active()), "total": len(pools[r])} for r in ROLES if len(pools[r])}
+    servable = pools.has_active("pd") or (pools.has_active("prefill") and pools.has_active("decode"))
+    ok = servable and all(v["healthy"] > 0 for v in roles.values())
+    return Response({"status": "ok" if ok else "degraded", "roles": roles}, status_code=200 if ok else 503)
+
+
+@get("/metrics", media_type="text/plain; version=0.0.4")
+async def metrics(state: State) -> bytes:
+    return state.metrics.render()
+
+
+class _AdminBody(msgspec.Struct, forbid_unknown_fields=False):
+    type: str
+    instances: list[str] | str
+
+
+def _admin_body(raw: bytes) -> tuple[str, list[str]]:
+    try:
+        body = msgspec.json.decode(raw, type=_AdminBody)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise APIError(400, f"invalid body: {exc}; expected {{\"type\": \"prefill\"|\"decode\", "
+                            "\"instances\": [\"host:port\", ...]}") from None
+    if body.type not in ADMIN_TYPES:
+        raise APIError(400, f"Instance type '{body.type}' is not supported. Only "
+                            f"{', '.join(repr(t) for t in ADMIN_TYPES)} are allowed.", param="type")
+    addresses = [body.instances] if isinstance(body.instances, str) else body.instances
+    try:
+        return body.type, [instance_url("instances", a) for a in addresses]
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="instances") from None
+
+
+def _current(pools: Pools) -> dict:
+    return {f"current_{r}_instances": [i.url for i in pools[r].instances.values() if i.state != "draining"]
+            for r in ADMIN_TYPES}
+
+
+@post("/instances/add", status_code=200)
+async def instances_add(request: Request, state: State) -> dict:
+    role, urls = _admin_body(await request.body())
+    for url in urls:
+        state.pools[role].add(url, source="admin")
+    state.health.wake()
+    log.info("instances added (probing)", role=role, urls=urls)
+    return {"message": f"Instances {urls} are waiting to be added.", **_current(state.pools)}
+
+
+@post("/instances/remove", status_code=200)
+async def instances_remove(request: Request, state: State) -> dict:
+    role, urls = _admin_body(await request.body())
+    draining = []
+    for url in urls:
+        inst = state.pools[role].drain(url)
+        if inst is not None and inst.active_requests:
+            draining.append(url)
+    log.info("instances removed", role=role, urls=urls, draining=draining)
+    message = (f"Instances {draining} are isolated and waiting to be removed." if draining
+               else f"remove {role} instances: {urls}.")
+    return {"message": message, **_current(state.pools)}
+
+
+@get("/instances")
+async def instances_list(state: State) -> dict:
+    return {"instances": [i.summary() for i in state.pools.all_instances()]}
+
+
+async def _fan_out(state: State, path: str) -> Response:
+    targets = [i for i in state.pools.all_instances() if i.state == ACTIVE]
+
+    async def one(url: str):
+        try:
+            status, _ = await state.upstream.post(url + path, 30.0)
+            return url, status
+        except UpstreamError:
+            return url, None
+
+    results = await asyncio.gather(*(one(i.url) for i in targets))
+    failed = [url for url, status in results if status is None or status >= 300]
+    return Response({"ok": [u for u, _ in results if u not in failed], "failed": failed},
+                    status_code=500 if failed else 200)
+
+
+@post("/start_profile")
+async def start_profile(state: State) -> Response:
+    return await _fan_out(state, "/start_profile")
+
+
+@post("/stop_profile")
+async def stop_profile(state: State) -> Response:
+    return await _fan_out(state, "/stop_profile")
+
+
+@post("/reset_prefix_cache")
+async def reset_prefix_cache(state: State) -> Response:
+    return await _fan_out(state, "/reset_prefix_cache")
+
+
+def create_app(config: Config) -> Litestar:
+    settings = config.proxy
+    pools = Pools()
+    for role in ROLES:
+        for url in getattr(settings, role):
+            pools[role].add(url, source="static")
+    backend_headers = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else {}
+    upstream = Upstream(settings.request_timeout_s, settings.connect_timeout_s, backend_headers)
+    metrics_ = ProxyMetrics(pools)
+    health_ = HealthMonitor(pools, upstream, settings)
+    pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
+                        config.cluster.metaserver_url, config.cluster.token)
+    watch = None
+    if config.cluster.metaserver_url:
+        watch = RegistryWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,
+                              settings.registry_poll_s, settings.health_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar):
+        await upstream.start()
+        tasks = [asyncio.ensure_future(health_.run())]
+        if watch is not None:
+            tasks.append(asyncio.ensure_future(watch.run()))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await upstream.close()
+
+    state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
+                   "upstream": upstream, "watch": watch})
+    client = Router(path="/", route_handlers=[chat, completions, models],
+                    guards=[bearer_guard(settings.api_keys, "API key")])
+    admin = Router(path="/", route_handlers=[instances_add, instances_remove, instances_list, start_profile,
+                                             stop_profile, reset_prefix_cache],
+                   guards=[bearer_guard([config.cluster.token], "cluster token")])
+    return Litestar(
+        route_handlers=[client, admin, healthcheck, health, metrics],
+        state=state,
+        lifespan=[lifespan],
+        exception_handlers=EXCEPTION_HANDLERS,
+        request_max_body_size=int(settings.max_body_mb * 1024 * 1024),
+    )

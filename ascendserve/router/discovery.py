@@ -1,0 +1,65 @@
+"""Follow the metaserver registry: instances appear and disappear with no admin call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import structlog
+
+from ascendserve.protocol.registry import RegistryView
+from ascendserve.router.health import HealthMonitor
+from ascendserve.router.pools import Pools
+from ascendserve.web.upstream import Upstream, UpstreamError
+
+log = structlog.get_logger("ascendserve.router.discovery")
+
+
+class RegistryWatch:
+    def __init__(self, pools: Pools, upstream: Upstream, health: HealthMonitor, metaserver_url: str,
+                 token: str, poll_s: float, timeout_s: float):
+        self.pools, self.upstream, self.health = pools, upstream, health
+        self.url = metaserver_url.rstrip("/") + "/v1/registry/instances"
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.revision = -1
+        self._reachable = True
+
+    async def run(self) -> None:
+        while True:
+            await self.sync_once()
+            await asyncio.sleep(self.poll_s)
+
+    async def sync_once(self) -> None:
+        try:
+            status, raw = await self.upstream.get(self.url, self.timeout_s, self.headers)
+            if status != 200:
+                raise UpstreamError(self.url, status, raw[:200].decode(errors="replace"))
+            view = msgspec.json.decode(raw, type=RegistryView)
+        except (UpstreamError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if self._reachable:
+                log.warning("metaserver unreachable; keeping the current instances", error=str(exc)[:200])
+            self._reachable = False
+            return
+        if not self._reachable:
+            log.info("metaserver reachable again")
+        self._reachable = True
+        if view.revision == self.revision:
+            return
+        self.revision = view.revision
+        self.apply(view)
+
+    def apply(self, view: RegistryView) -> None:
+        live = {(i.role, i.url.rstrip("/")): i for i in view.instances if i.role in self.pools.by_role}
+        added = False
+        for (role, url), info in live.items():
+            if url not in self.pools[role].instances:
+                self.pools[role].add(url, source="registry", instance_id=info.instance_id)
+                log.info("instance joined through the registry", role=role, url=url, instance=info.instance_id)
+                added = True
+        for inst in self.pools.all_instances():
+            if inst.source == "registry" and (inst.role, inst.url) not in live and inst.state != "draining":
+                self.pools[inst.role].drain(inst.url)
+                log.info("instance left the registry; draining", role=inst.role, url=inst.url)
+        if added:
+            self.health.wake()

@@ -1,0 +1,91 @@
+"""Instance admission and health: probe new instances, check active ones, eject, re-admit.
+
+    probing  --GET /v1/models 200-->  active  (models recorded)
+    active   --eject_after failures (periodic /health or failed request hops)-->  ejected
+    ejected  --GET /health 200-->  active
+An instance added through the admin API that never answers its probes is
+dropped after `eject_after` tries, like vllm-ascend's waiting list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import structlog
+
+from ascendserve.config import ProxyConfig
+from ascendserve.router.pools import ACTIVE, DRAINING, EJECTED, PROBING, Instance, Pools
+from ascendserve.web.upstream import Upstream, UpstreamError
+
+log = structlog.get_logger("ascendserve.router.health")
+
+
+class HealthMonitor:
+    def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig):
+        self.pools, self.upstream, self.settings = pools, upstream, settings
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Probe now (an instance was just added)."""
+        self._wake.set()
+
+    def report_failure(self, inst: Instance) -> None:
+        """A request hop could not reach `inst`."""
+        inst.failures += 1
+        if inst.state == ACTIVE and inst.failures >= self.settings.eject_after:
+            self._set(inst, EJECTED, "ejected after failed requests")
+
+    async def run(self) -> None:
+        while True:
+            await self.check_all()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.health_interval_s)
+            except TimeoutError:
+                pass
+
+    async def check_all(self) -> None:
+        instances = [i for i in self.pools.all_instances() if i.state != DRAINING]
+        await asyncio.gather(*(self._check(i) for i in instances))
+
+    async def _check(self, inst: Instance) -> None:
+        if inst.state == PROBING:
+            ok = await self._probe(inst)
+        else:
+            ok = await self._get_ok(inst.url + "/health")
+            if ok and inst.state == EJECTED:
+                ok = await self._probe(inst)
+        if ok:
+            inst.failures = 0
+            if inst.state in (PROBING, EJECTED):
+                self._set(inst, ACTIVE, "admitted")
+            return
+        inst.failures += 1
+        if inst.state == ACTIVE and inst.failures >= self.settings.eject_after:
+            self._set(inst, EJECTED, "ejected after failed health checks")
+        elif inst.state == PROBING and inst.source == "admin" and inst.failures >= self.settings.eject_after:
+            log.warning("instance never answered; not added", url=inst.url, role=inst.role)
+            self.pools[inst.role].forget(inst.url)
+
+    async def _probe(self, inst: Instance) -> bool:
+        try:
+            status, raw = await self.upstream.get(inst.url + "/v1/models", self.settings.health_timeout_s)
+            if status != 200:
+                return False
+            models = msgspec.json.decode(raw).get("data", [])
+            inst.models = tuple(m["id"] for m in models if isinstance(m, dict) and "id" in m)
+            return True
+        except (UpstreamError, msgspec.DecodeError, AttributeError, TypeError):
+            return False
+
+    async def _get_ok(self, url: str) -> bool:
+        try:
+            status, _ = await self.upstream.get(url, self.settings.health_timeout_s)
+            return status == 200
+        except UpstreamError:
+            return False
+
+    def _set(self, inst: Instance, state: str, why: str) -> None:
+        self.pools[inst.role].set_state(inst, state)
+        log.info(why, url=inst.url, role=inst.role, state=state, models=list(inst.models))

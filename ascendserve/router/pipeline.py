@@ -1,0 +1,287 @@
+"""One client request through the topology: E -> (P -> D | PD).
+
+Life cycle of a request (each hop picks the least-loaded instance of its
+role and holds a Lease on it for exactly as long as it uses it):
+
+    encode     only when the request has multimodal parts and encoders exist;
+               `single` sends the request once, `fanout` one request per item,
+               concurrently. max_tokens=1: the encoder only publishes the EC.
+               All encoders down -> PD/P encode locally (`encoder_fallback=local`)
+               or 503 (`fail`). An encoder's 4xx (bad image) goes to the client.
+    prefill    pull mode: P computes the prompt with max_tokens=1 and returns
+               kv_transfer_params; P keeps a KV hold on its lease until D has
+               produced its first byte (D has pulled the blocks by then).
+               push mode: skipped here; D asks the metaserver, which dispatches P.
+    decode     the client's request (plus kv_transfer_params) to D or PD.
+               Streaming: the response is committed only after D's first chunk,
+               so every failure before it is retried on another instance; a
+               failure after it ends the stream with an OpenAI error event.
+
+Retries: connection errors and 5xx, with exponential backoff, preferring an
+instance not tried yet; never on 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+
+from ascendserve.config import ProxyConfig
+from ascendserve.protocol import kv_params
+from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
+                                         only_part)
+from ascendserve.router.media import encoder_tokens
+from ascendserve.router.metrics import ProxyMetrics
+from ascendserve.router.pools import Instance, Lease, Pool, Pools
+from ascendserve.web.upstream import Upstream, UpstreamError
+
+log = structlog.get_logger("ascendserve.router")
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass
+class Reply:
+    """What the handler sends back: a JSON body, or an SSE byte stream."""
+
+    status: int = 200
+    body: dict | None = None
+    stream: AsyncIterator[bytes] | None = None
+    backend: str = ""
+
+
+def sse_error(message: str, code: int = 502) -> bytes:
+    event = msgspec.json.encode(error_body(message, "server_error", None, str(code)))
+    return b"data: " + event + b"\n\ndata: [DONE]\n\n"
+
+
+class Pipeline:
+    def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig, metrics: ProxyMetrics,
+                 on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = ""):
+        self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
+        self.on_unreachable = on_unreachable
+        self.metaserver_url = metaserver_url.rstrip("/")
+        self.metaserver_headers = {"authorization": f"Bearer {cluster_token}"} if cluster_token else {}
+
+    # ---- entry -------------------------------------------------------------
+    async def handle(self, kind: str, body: dict, request_id: str) -> Reply:
+        model = body["model"]
+        known = self.pools.models()
+        if known and model not in known:
+            raise APIError(404, f"The model '{model}' does not exist; available: {', '.join(known)}",
+                           code="model_not_found")
+        headers = {"x-request-id": request_id}
+        tokens = estimated_tokens(body)
+        if kind == "chat":
+            await self._encode(body, headers)
+        disaggregated = self.pools.has_active("prefill") and self.pools.has_active("decode")
+        if disaggregated and self.settings.mode == "pull":
+            return await self._prefill_then_decode(kind, body, headers, tokens)
+        if disaggregated:
+            return await self._push(kind, body, headers, tokens, request_id)
+        if self.pools.has_active("pd"):
+            return await self._decode(kind, "pd", body, headers, tokens)
+        raise APIError(503, "no healthy instance can serve this request (need pd, or prefill and decode)",
+                       type="service_unavailable", code="no_instance")
+
+    # ---- retries -----------------------------------------------------------
+    async def _with_retries(self, role: str, attempt: Callable[[Pool, Instance], Awaitable]):
+        pool = self.pools[role]
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        for n in range(self.settings.max_retries + 1):
+            inst = pool.select(frozenset(tried)) or pool.select()
+            if inst is None:
+                break
+            tried.add(inst.url)
+            try:
+                return await attempt(pool, inst)
+            except UpstreamError as exc:
+                if exc.client_error:
+                    raise APIError(exc.status, _client_message(exc), code=str(exc.status)) from None
+                if exc.status is None:
+                    self.on_unreachable(inst)
+                last = exc
+                self.metrics.retries.labels(role).inc()
+                log.warning("backend hop failed", role=role, url=inst.url, status=exc.status,
+                            detail=exc.detail[:200], attempt=n + 1)
+                await asyncio.sleep(self.settings.retry_backoff_s * (2 ** n))
+        detail = f"{role} unavailable" + (f": {last.detail[:200]}" if last else ": no active instance")
+        raise APIError(502 if last else 503, detail, type="service_unavailable", code="backend_unavailable")
+
+    # ---- encode ------------------------------------------------------------
+    async def _encode(self, body: dict, headers: dict) -> None:
+        parts = mm_parts(body)
+        if not parts or not self.pools.has_active("encoder"):
+            return
+        if self.settings.encoder_dispatch == "fanout" and len(parts) > 1:
+            jobs = [(only_part(body, i, j), [p]) for i, j, p in parts]
+        else:
+            jobs = [(body, [p for _, _, p in parts])]
+        try:
+            await asyncio.gather(*(self._encode_one(b, items, headers) for b, items in jobs))
+        except APIError as exc:
+            if exc.status < 500 or self.settings.encoder_fallback == "fail":
+                raise
+            self.metrics.fallbacks.inc()
+            log.warning("encoder unavailable; the next instance encodes locally", detail=exc.message)
+
+    async def _encode_one(self, body: dict, items: list[dict], headers: dict) -> None:
+        e_body = dict(body, max_tokens=1, stream=False)
+        e_body.pop("max_completion_tokens", None)
+        e_body.pop("stream_options", None)
+        cost = encoder_tokens(items)
+
+        async def attempt(pool: Pool, inst: Instance):
+            lease = pool.lease(inst, cost)
+            try:
+                await self.upstream.post_json(inst.url + PATHS["chat"], e_body, headers)
+                lease.release()
+            finally:
+                lease.release(ok=False)
+
+        await self._with_retries("encoder", attempt)
+
+    # ---- prefill (pull) -----------------------------------------------------
+    async def _prefill_then_decode(self, kind: str, body: dict, headers: dict, tokens: int) -> Reply:
+        p_body = dict(body, max_tokens=1, min_tokens=1, stream=False,
+                      kv_transfer_params=kv_params.pull_prefill_params())
+        p_body.pop("stream_options", None)
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        holds: list[Lease] = []
+
+        async def attempt(pool: Pool, inst: Instance):
+            lease = pool.lease(inst, tokens)
+            try:
+                result = await self.upstream.post_json(inst.url + PATHS[kind], p_body, headers)
+                lease.release()
+            finally:
+                lease.release(ok=False)
+            holds.append(pool.lease(inst, 0, kv=tokens))  # KV held for D
+            return result
+
+        p_reply = await self._with_retries("prefill", attempt)
+        d_body = dict(body)
+        if p_reply.get("kv_transfer_params"):
+            d_body["kv_transfer_params"] = p_reply["kv_transfer_params"]
+        return await self._decode_holding(kind, d_body, headers, tokens, holds[-1])
+
+    async def _decode_holding(self, kind: str, d_body: dict, headers: dict, tokens: int, hold: Lease) -> Reply:
+        """Decode while P's KV hold stays on P's load until D's first byte."""
+        try:
+            return await self._decode(kind, "decode", d_body, headers, tokens, on_first_byte=hold.release)
+        finally:
+            if d_body.get("stream") is not True:
+                hold.release()
+
+    # ---- push ----------------------------------------------------------------
+    async def _push(self, kind: str, body: dict, headers: dict, tokens: int, request_id: str) -> Reply:
+        """Pick P now, tell the metaserver, send D a callback URL with a one-request ticket."""
+        pool = self.pools["prefill"]
+        inst = pool.select()
+        if inst is None:
+            raise APIError(503, "no active prefill instance", type="service_unavailable", code="no_instance")
+        hold = pool.lease(inst, tokens, kv=tokens)
+        try:
+            answer = await self.upstream.post_json(self.metaserver_url + "/v1/metaserver/expect", {
+                "request_id": request_id, "path": PATHS[kind], "body": body, "prefill_url": inst.url,
+                "engine_request_ids": kv_params.engine_request_ids(kind, request_id, body),
+            }, {**headers, **self.metaserver_headers})
+        except UpstreamError as exc:
+            hold.release(ok=False)
+            raise APIError(502, f"metaserver unavailable for push mode: {exc.detail[:200]}",
+                           type="service_unavailable", code="metaserver_unavailable") from None
+        callback = f"{self.metaserver_url}/v1/metaserver?ticket={answer['ticket']}"
+        d_body = dict(body, kv_transfer_params=kv_params.push_decode_params(callback))
+        return await self._decode_holding(kind, d_body, headers, tokens, hold)
+
+    # ---- decode ------------------------------------------------------------
+    async def _decode(self, kind: str, role: str, body: dict, headers: dict, tokens: int,
+                      on_first_byte: Callable[[], None] | None = None) -> Reply:
+        cost = tokens + max_new_tokens(body)
+        started = time.monotonic()
+        if body.get("stream") is not True:
+            async def attempt_json(pool: Pool, inst: Instance):
+                lease = pool.lease(inst, cost)
+                try:
+                    result = await self.upstream.post_json(inst.url + PATHS[kind], body, headers)
+                    lease.release()
+                    return result, inst.url
+                finally:
+                    lease.release(ok=False)
+
+            result, url = await self._with_retries(role, attempt_json)
+            self.metrics.observe_done(started)
+            return Reply(body=result, backend=url)
+
+        async def attempt_stream(pool: Pool, inst: Instance):
+            lease = pool.lease(inst, cost)
+            try:
+                response = await self.upstream.open_stream(inst.url + PATHS[kind], body, headers)
+                try:
+                    first = await _first_chunk(response, inst.url)
+                except BaseException:
+                    response.close()
+                    raise
+            except BaseException:
+                lease.release(ok=False)
+                raise
+            return lease, response, first
+
+        try:
+            lease, response, first = await self._with_retries(role, attempt_stream)
+        except BaseException:
+            if on_first_byte:
+                on_first_byte()
+            raise
+        if on_first_byte:
+            on_first_byte()
+        self.metrics.ttft.observe(time.monotonic() - started)
+        return Reply(stream=self._relay(lease, response, first, started), backend=lease.instance.url)
+
+    async def _relay(self, lease: Lease, response, first: bytes, started: float):
+        ok = False
+        try:
+            yield first
+            async for chunk in response.content.iter_any():
+                yield chunk
+            ok = True
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.cancelled.inc()
+            raise
+        except Exception as exc:  # the backend broke mid-stream
+            self.metrics.errors.labels("mid_stream").inc()
+            log.warning("backend failed mid-stream", url=lease.instance.url, error=repr(exc))
+            yield sse_error(f"backend {lease.instance.role} instance failed mid-stream: {type(exc).__name__}")
+        finally:
+            response.close()  # on cancellation this aborts the request on the backend
+            lease.release(ok=ok)
+            if ok:
+                self.metrics.observe_done(started)
+
+
+async def _first_chunk(response, url: str) -> bytes:
+    try:
+        chunk = await response.content.readany()
+    except Exception as exc:
+        raise UpstreamError(url, None, f"stream broke before the first byte: {exc!r}") from None
+    if not chunk:
+        raise UpstreamError(url, None, "stream ended before the first byte")
+    return chunk
+
+
+def _client_message(exc: UpstreamError) -> str:
+    try:
+        body = msgspec.json.decode(exc.body)
+        message = body.get("error", {}).get("message") or body.get("message") or body.get("detail")
+        if message:
+            return str(message)
+    except (msgspec.DecodeError, AttributeError):
+        pass
+    return exc.detail or f"backend returned {exc.status}"

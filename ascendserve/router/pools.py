@@ -1,0 +1,195 @@
+"""Instances per role, chosen by load.
+
+Each role's `Pool` keeps a min-heap of (priority, seq, url, version) entries
+with lazy deletion: every change of an instance's counters bumps its
+version and pushes a fresh entry; stale entries are dropped when they reach
+the top. Counters are held by a `Lease` that releases exactly once, whatever
+path the request takes (success, error, client cancellation).
+
+Instance states: probing (added, not yet answering) -> active <-> ejected
+(health) ; any -> draining (removed or tainted: no new requests, dropped
+once its own in-flight requests finish).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+PROBING, ACTIVE, EJECTED, DRAINING = "probing", "active", "ejected", "draining"
+ROLES = ("encoder", "prefill", "decode", "pd")
+KV_WEIGHT = 0.3  # prefill priority = active tokens + 0.3 x KV blocks held for D
+
+
+@dataclass(eq=False)
+class Instance:
+    url: str
+    role: str
+    source: str = "static"  # static | admin | registry
+    instance_id: str = ""
+    state: str = PROBING
+    models: tuple[str, ...] = ()
+    active_requests: int = 0
+    active_tokens: int = 0
+    active_kv: int = 0
+    failures: int = 0
+    version: int = 0
+    served: int = 0
+    last_ok: float = field(default_factory=time.monotonic)
+
+    @property
+    def priority(self) -> float:
+        if self.role == "prefill":
+            return self.active_tokens + KV_WEIGHT * self.active_kv
+        return float(self.active_tokens)
+
+    def summary(self) -> dict:
+        return {"url": self.url, "role": self.role, "state": self.state, "source": self.source,
+                "instance_id": self.instance_id, "models": list(self.models),
+                "active_requests": self.active_requests, "active_tokens": self.active_tokens,
+                "active_kv": self.active_kv, "failures": self.failures, "served": self.served}
+
+
+class Lease:
+    """Load taken on one instance for one request hop; `release()` is idempotent."""
+
+    __slots__ = ("pool", "instance", "tokens", "kv", "_released")
+
+    def __init__(self, pool: "Pool", instance: Instance, tokens: int, kv: int = 0):
+        self.pool, self.instance, self.tokens, self.kv = pool, instance, tokens, kv
+        self._released = False
+        instance.active_requests += 1
+        instance.active_tokens += tokens
+        instance.active_kv += kv
+        pool.touch(instance)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, ok: bool = True) -> None:
+        if self._released:
+            return
+        self._released = True
+        inst = self.instance
+        inst.active_requests -= 1
+        inst.active_tokens -= self.tokens
+        inst.active_kv -= self.kv
+        if ok:
+            inst.served += 1
+        self.pool.touch(inst)
+        if inst.state == DRAINING and inst.active_requests == 0:
+            self.pool.forget(inst.url)
+
+
+class Pool:
+    def __init__(self, role: str):
+        self.role = role
+        self.instances: dict[str, Instance] = {}
+        self._heap: list[tuple[float, int, str, int]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    def active(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.state == ACTIVE]
+
+    def add(self, url: str, source: str = "static", instance_id: str = "") -> Instance:
+        existing = self.instances.get(url)
+        if existing is not None:
+            if existing.state == DRAINING:  # re-added while draining: keep serving
+                existing.state = PROBING
+            existing.source, existing.instance_id = source, instance_id or existing.instance_id
+            return existing
+        inst = Instance(url=url, role=self.role, source=source, instance_id=instance_id)
+        self.instances[url] = inst
+        return inst
+
+    def touch(self, inst: Instance) -> None:
+        inst.version += 1
+        if inst.state == ACTIVE:
+            heapq.heappush(self._heap, (inst.priority, next(self._seq), inst.url, inst.version))
+        if len(self._heap) > 64 + 8 * len(self.instances):
+            self._rebuild()
+
+    def set_state(self, inst: Instance, state: str) -> None:
+        if inst.state == DRAINING and state != DRAINING:
+            return  # removal wins over health
+        inst.state = state
+        self.touch(inst)
+
+    def _rebuild(self) -> None:
+        self._heap = [(i.priority, next(self._seq), i.url, i.version) for i in self.active()]
+        heapq.heapify(self._heap)
+
+    def select(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
+        """The active instance with the lowest priority, skipping `exclude`."""
+        skipped = []
+        chosen = None
+        while self._heap:
+            prio, seq, url, version = self._heap[0]
+            inst = self.instances.get(url)
+            if inst is None or inst.version != version or inst.state != ACTIVE:
+                heapq.heappop(self._heap)
+                continue
+            if url in exclude:
+                skipped.append(heapq.heappop(self._heap))
+                continue
+            chosen = inst
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return chosen
+
+    def lease(self, inst: Instance, tokens: int, kv: int = 0) -> Lease:
+        return Lease(self, inst, tokens, kv)
+
+    def drain(self, url: str) -> Instance | None:
+        """Stop routing to `url`; it is forgotten once its requests finish."""
+        inst = self.instances.get(url)
+        if inst is None:
+            return None
+        inst.state = DRAINING
+        self.touch(inst)
+        if inst.active_requests == 0:
+            self.forget(url)
+        return inst
+
+    def forget(self, url: str) -> None:
+        self.instances.pop(url, None)
+
+
+class Pools:
+    """All role pools of one proxy."""
+
+    def __init__(self):
+        self.by_role = {role: Pool(role) for role in ROLES}
+
+    def __getitem__(self, role: str) -> Pool:
+        return self.by_role[role]
+
+    def all_instances(self) -> list[Instance]:
+        return [i for p in self.by_role.values() for i in p.instances.values()]
+
+    def find(self, url: str) -> tuple[Pool, Instance] | None:
+        for pool in self.by_role.values():
+            if url in pool.instances:
+                return pool, pool.instances[url]
+        return None
+
+    def has_active(self, role: str) -> bool:
+        return any(i.state == ACTIVE for i in self.by_role[role].instances.values())
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for inst in self.all_instances():
+            if inst.state in (ACTIVE, DRAINING):
+                for m in inst.models:
+                    seen.setdefault(m, None)
+        return list(seen)
+
+    def in_flight(self) -> int:
+        return sum(i.active_requests for i in self.all_instances())

@@ -1,0 +1,35 @@
+"""Bearer-token checks, compared in constant time; tokens never reach a log."""
+
+from __future__ import annotations
+
+import hmac
+
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+
+from ascendserve.protocol.openai import APIError
+
+
+def presented_token(connection: ASGIConnection) -> str:
+    header = connection.headers.get("authorization", "")
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return connection.headers.get("x-cluster-token", "")
+
+
+def matches(presented: str, accepted: list[str]) -> bool:
+    ok = False
+    for token in accepted:  # no early exit: timing does not reveal which key matched
+        ok |= hmac.compare_digest(presented.encode(), token.encode())
+    return ok
+
+
+def bearer_guard(accepted: list[str], what: str):
+    """A Litestar guard accepting any of `accepted`; open when the list is empty."""
+    accepted = [t for t in accepted if t]
+
+    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if accepted and not matches(presented_token(connection), accepted):
+            raise APIError(401, f"missing or invalid {what}", type="authentication_error", code="401")
+
+    return guard

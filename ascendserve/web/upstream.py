@@ -1,0 +1,87 @@
+"""HTTP to engine instances: one pooled aiohttp session per proxy process."""
+
+from __future__ import annotations
+
+import aiohttp
+import msgspec
+
+
+class UpstreamError(Exception):
+    """A backend hop failed. `status` is None when no HTTP answer came back."""
+
+    def __init__(self, url: str, status: int | None, detail: str, body: bytes = b""):
+        super().__init__(f"{url}: {status or 'no response'}: {detail}")
+        self.url, self.status, self.detail, self.body = url, status, detail, body
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status >= 500
+
+    @property
+    def client_error(self) -> bool:
+        return self.status is not None and 400 <= self.status < 500
+
+
+class Upstream:
+    def __init__(self, request_timeout_s: float, connect_timeout_s: float = 5.0, headers: dict | None = None):
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self._headers = headers or {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                              json_serialize=lambda o: msgspec.json.encode(o).decode(),
+                                              auto_decompress=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _h(self, headers: dict | None) -> dict:
+        return {**self._headers, "content-type": "application/json", **(headers or {})}
+
+    async def post_json(self, url: str, body: dict, headers: dict | None = None) -> dict:
+        try:
+            async with self._session.post(url, data=msgspec.json.encode(body), headers=self._h(headers)) as r:
+                raw = await r.read()
+                if r.status >= 300:
+                    raise UpstreamError(url, r.status, raw[:500].decode(errors="replace"), raw)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise UpstreamError(url, None, repr(exc)) from None
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            raise UpstreamError(url, 502, "backend answered with invalid JSON", raw) from None
+
+    async def open_stream(self, url: str, body: dict, headers: dict | None = None) -> aiohttp.ClientResponse:
+        """POST and return the response once its status is known to be 2xx.
+        The caller owns the response and must `release()`/`close()` it."""
+        try:
+            r = await self._session.post(url, data=msgspec.json.encode(body), headers=self._h(headers))
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise UpstreamError(url, None, repr(exc)) from None
+        if r.status >= 300:
+            try:
+                raw = await r.read()
+            except (aiohttp.ClientError, TimeoutError):
+                raw = b""
+            r.release()
+            raise UpstreamError(url, r.status, raw[:500].decode(errors="replace"), raw)
+        return r
+
+    async def get(self, url: str, timeout_s: float, headers: dict | None = None) -> tuple[int, bytes]:
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                         headers={**self._headers, **(headers or {})}) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise UpstreamError(url, None, repr(exc)) from None
+
+    async def post(self, url: str, timeout_s: float, body: dict | None = None) -> tuple[int, bytes]:
+        try:
+            async with self._session.post(url, data=msgspec.json.encode(body or {}), headers=self._h(None),
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise UpstreamError(url, None, repr(exc)) from None

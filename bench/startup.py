@@ -1,0 +1,87 @@
+"""Start-up to ready for each role, next to plain vLLM on the same model.
+
+    python -m bench.startup [--repeat N]
+
+Ready = /v1/models answers 200. Control-plane commands (`--role proxy
+--help`, `version`) are timed as whole processes: they must never import
+torch or vLLM, so they stay well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench._report import save, table
+from tests.procs import ascendserve, plain_vllm
+
+
+def build_models(root: Path) -> dict[str, Path]:
+    out = {}
+    for kind in ("text", "vl"):
+        out[kind] = root / kind
+        subprocess.run([sys.executable, "-m", "ascendserve", "model", "tiny", "--kind", kind, "--out", str(out[kind])],
+                       check=True, capture_output=True)
+    return out
+
+
+def time_ready(make) -> float:
+    proc = make()
+    start = time.monotonic()
+    proc.start()
+    try:
+        proc.wait_ready()
+        return time.monotonic() - start
+    finally:
+        proc.stop()
+
+
+def time_command(argv: list[str], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.monotonic()
+        subprocess.run(argv, check=False, capture_output=True)
+        samples.append(time.monotonic() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=1, help="engine starts per role")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        models = build_models(root)
+        logs = root / "logs"
+        logs.mkdir()
+        cases = {
+            "plain vLLM (text, peer)": lambda: plain_vllm(models["text"], logs),
+            "pd (text)": lambda: ascendserve("pd", models["text"], logs),
+            "prefill (text)": lambda: ascendserve("prefill", models["text"], logs, "--kv-path", str(root / "kv")),
+            "decode (text)": lambda: ascendserve("decode", models["text"], logs, "--kv-path", str(root / "kv")),
+            "plain vLLM (vl, peer)": lambda: plain_vllm(models["vl"], logs, name="vllm-vl"),
+            "encoder (vl)": lambda: ascendserve("encoder", models["vl"], logs, "--ec-path", str(root / "ec")),
+            "pd (vl, EC consumer)": lambda: ascendserve("pd", models["vl"], logs, "--ec-path", str(root / "ec"), "--ec-enabled"),
+        }
+        engine = {name: statistics.median(time_ready(make) for _ in range(args.repeat)) for name, make in cases.items()}
+    cli = {
+        "ascendserve --role proxy --help": time_command([sys.executable, "-m", "ascendserve", "--role", "proxy", "--help"], 5),
+        "ascendserve version": time_command([sys.executable, "-m", "ascendserve", "version"], 5),
+        "python -c pass (floor)": time_command([sys.executable, "-c", "pass"], 5),
+    }
+    peer = {"text": engine["plain vLLM (text, peer)"], "vl": engine["plain vLLM (vl, peer)"]}
+    rows = [[name, secs, secs / peer["vl" if "vl" in name else "text"]] for name, secs in engine.items()]
+    table("start-up to ready (s), ratio to plain vLLM on the same model", ["role", "seconds", "x plain vLLM"], rows)
+    floor = cli["python -c pass (floor)"]
+    table("control-plane commands (s)", ["command", "seconds", "x interpreter floor"],
+          [[name, secs, secs / floor] for name, secs in cli.items()])
+    save("startup", {"engine_ready_s": engine, "cli_s": cli})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""A fast fake engine instance that speaks the P/D/E/PD HTTP protocol (no model).
+
+    python -m tests.stub_backend --role decode --port 9001 [--tokens 16] [--token-delay-ms 0]
+
+The proxy is the thing under test; this stands in for vLLM where a test or a
+benchmark needs thousands of requests, exact failure timing, or a process to
+SIGKILL. It checks the protocol it receives and counts what happened:
+    prefill  must get max_tokens=1, stream=false, kv_transfer_params.do_remote_decode
+    decode   with --require-kv, must get P's kv_transfer_params (or a push-mode
+             metaserver URL, which it calls back like vllm-ascend's layerwise D)
+GET /stub/stats returns the counters; POST /stub/reset clears them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import time
+
+import aiohttp
+import msgspec
+
+STATS_KEYS = ("requests", "completed", "aborted", "protocol_errors", "prefills", "decodes", "encodes",
+              "push_callbacks", "active")
+
+
+class Stub:
+    def __init__(self, args):
+        self.args = args
+        self.stats = dict.fromkeys(STATS_KEYS, 0)
+        self.ids = itertools.count()
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    if self.session:
+                        await self.session.close()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path in ("/health", "/metrics", "/ping"):
+            return await self._reply(send, 200, b"")
+        if method == "GET" and path == "/v1/models":
+            return await self._json(send, {"object": "list", "data": [{"id": self.args.model, "object": "model"}]})
+        if path == "/stub/stats":
+            return await self._json(send, self.stats)
+        if path == "/stub/reset":
+            self.stats = dict.fromkeys(STATS_KEYS, 0)
+            return await self._json(send, self.stats)
+        if method == "POST" and path in ("/start_profile", "/stop_profile", "/reset_prefix_cache"):
+            return await self._reply(send, 200, b"")
+        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            raw = b""
+            while True:
+                msg = await receive()
+                raw += msg.get("body", b"")
+                if not msg.get("more_body"):
+                    break
+            headers = dict(scope["headers"])
+            return await self._generate(path, msgspec.json.decode(raw), headers, receive, send)
+        return await self._json(send, {"error": {"message": "not found"}}, 404)
+
+    async def _reply(self, send, status: int, body: bytes, ctype: bytes = b"application/json"):
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _json(self, send, obj, status: int = 200):
+        await self._reply(send, status, msgspec.json.encode(obj))
+
+    def _bad(self, message: str):
+        self.stats["protocol_errors"] += 1
+        return {"error": {"message": message, "type": "invalid_request_error", "code": "400"}}
+
+    async def _generate(self, path, body, headers, receive, send):
+        self.stats["requests"] += 1
+        role, kv = self.args.role, body.get("kv_transfer_params") or {}
+        chat = path.endswith("chat/completions")
+        rid = headers.get(b"x-request-id", b"").decode() or f"stub{next(self.ids)}"
+        if role == "prefill":
+            if body.get("max_tokens") != 1 or body.get("stream") or not kv.get("do_remote_decode"):
+                return await self._json(send, self._bad("prefill needs max_tokens=1, stream=false, "
+                                                        "kv_transfer_params.do_remote_decode"), 400)
+            self.stats["prefills"] += 1
+            reply = self._completion(chat, rid, 1)
+            reply["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
+                "remote_engine_id": f"stub-{self.args.port}", "remote_request_id": rid,
+                "remote_host": "127.0.0.1", "remote_port": self.args.port}
+            return await self._json(send, reply)
+        if role == "encoder":
+            self.stats["encodes"] += 1
+            return await self._json(send, self._completion(chat, rid, 1))
+        if role == "decode" and self.args.require_kv:
+            if kv.get("metaserver"):
+                ok = await self._push_callback(kv["metaserver"], chat, rid)
+                if not ok:
+                    return await self._json(send, self._bad("push prefill failed"), 502)
+            elif not kv.get("do_remote_prefill") or kv.get("remote_request_id") is None:
+                return await self._json(send, self._bad("decode got no kv_transfer_params from prefill"), 400)
+        self.stats["decodes"] += 1
+        n = body.get("max_tokens") or body.get("max_completion_tokens") or self.args.tokens
+        if body.get("stream"):
+            return await self._stream(receive, send, chat, rid, n)
+        if self.args.token_delay_ms:
+            await asyncio.sleep(self.args.token_delay_ms * n / 1000)
+        self.stats["completed"] += 1
+        return await self._json(send, self._completion(chat, rid, n))
+
+    async def _push_callback(self, url: str, chat: bool, rid: str) -> bool:
+        self.stats["push_callbacks"] += 1
+        if self.session is None:
+            self.session = aiohttp.ClientSession()
+        body = {"request_id": f"chatcmpl-{rid}" if chat else f"cmpl-{rid}-0", "token_ids": [],
+                "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[4, 5]],
+                "remote_block_size": [16], "remote_engine_id": f"stub-{self.args.port}",
+                "remote_host": "127.0.0.1", "remote_port": self.args.port, "remote_tp_size": 1,
+                "remote_pcp_size": 1, "remote_dcp_size": 1, "remote_cached_tokens": 0}
+        async with self.session.post(url, json=body) as r:
+            return r.status == 200
+
+    def _completion(self, chat: bool, rid: str, n: int) -> dict:
+        usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
+        if chat:
+            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+                    "model": self.args.model, "usage": usage,
+                    "choices": [{"index": 0, "finish_reason": "length",
+                                 "message": {"role": "assistant", "content": "tok " * n}}]}
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
+                "model": self.args.model, "usage": usage,
+                "choices": [{"index": 0, "text": "tok " * n, "finish_reason": "length"}]}
+
+    async def _stream(self, receive, send, chat: bool, rid: str, n: int):
+        self.stats["active"] += 1
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        gone = asyncio.Event()
+
+        async def watch():  # the ASGI way to learn that the client hung up
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for i in range(n):
+                if self.args.token_delay_ms:
+                    await asyncio.sleep(self.args.token_delay_ms / 1000)
+                if gone.is_set():
+                    raise ConnectionAbortedError("client disconnected")
+                choice = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat
+                          else {"index": 0, "text": "tok ", "finish_reason": None})
+                if i == n - 1:
+                    choice["finish_reason"] = "length"
+                chunk = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": obj, "created": created,
+                         "model": self.args.model, "choices": [choice]}
+                await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
+                            "more_body": True})
+            usage = {"id": f"x-{rid}", "object": obj, "created": created, "model": self.args.model, "choices": [],
+                     "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
+            await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(usage) +
+                        b"\n\ndata: [DONE]\n\n", "more_body": False})
+            self.stats["completed"] += 1
+        except (asyncio.CancelledError, Exception):
+            self.stats["aborted"] += 1
+        finally:
+            watcher.cancel()
+            self.stats["active"] -= 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=("prefill", "decode", "pd", "encoder"), required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model", default="stub-model")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--token-delay-ms", type=float, default=0.0)
+    ap.add_argument("--require-kv", action="store_true", help="decode: refuse requests that skipped P")
+    args = ap.parse_args()
+    from ascendserve.web.server import run
+
+    run(Stub(args), "127.0.0.1", args.port)
+
+
+if __name__ == "__main__":
+    main()
