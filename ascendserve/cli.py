@@ -28,6 +28,7 @@ ROLE_MODULES = {
     "pd": "roles.pd",
     "metaserver": "roles.metaserver",
     "proxy": "roles.proxy",
+    "all": "roles.all",
 }
 
 ROLE_SUMMARY = {

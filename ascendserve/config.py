@@ -132,6 +132,7 @@ class AllConfig(_Section):
 
 class Config(_Section):
     role: Literal["encoder", "prefill", "decode", "pd", "proxy", "metaserver", "elastic-server", "all"] | None = None
+    config_file: str = ""  # set from --config; `all` hands it to its children
     instance_id: str = ""
     runtime_dir: str = ""
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -148,6 +149,19 @@ class Config(_Section):
     @property
     def is_engine(self) -> bool:
         return self.role in ENGINE_ROLES
+
+    @property
+    def advertise_url(self) -> str:
+        host = self.cluster.advertise_host
+        return f"http://[{host}]:{self.server.port}" if ":" in host else f"http://{host}:{self.server.port}"
+
+    @property
+    def local_url(self) -> str:
+        """How this process reaches its own server."""
+        host = self.server.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://[{host}]:{self.server.port}" if ":" in host else f"http://{host}:{self.server.port}"
 
 
 @dataclass(frozen=True)
@@ -365,6 +379,7 @@ def load(
         # Repeated --vllm-arg adds to the file's list rather than replacing it.
         tree["engine"]["vllm_args"] = file_tree["engine"].get("vllm_args", []) + tree["engine"]["vllm_args"]
     config = msgspec.convert(tree, Config)
+    config.config_file = str(Path(config_file).resolve()) if config_file else ""
     return _finish(config, env)
 
 
@@ -384,6 +399,9 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
             config.ec.path = str(Path(config.runtime_dir) / "ec")
     if config.role == "all" and config.model.path:
         _check_model(config.model.path)
+    if not config.cluster.advertise_host:
+        host = config.server.host
+        config.cluster.advertise_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     if config.cluster.metaserver_url:
         _check_callback_url("cluster.metaserver_url", config.cluster.metaserver_url)
     if config.role == "proxy":

@@ -1,0 +1,1 @@
+"""Engine instances announce themselves to the metaserver registry. No torch."""
