@@ -448,12 +448,12 @@ def _expand(kind: str, hosts: list[str], ports: list[int], hosts_num: list[int],
         if len(ports_inc) != len(ports):
             raise ConfigError(f"--{kind}-ports-inc has {len(ports_inc)} values for {len(ports)} --{kind}-ports")
         ports = [p + i for p, n in zip(ports, ports_inc) for i in range(n)]
-    if len(hosts) != len(ports):
-        raise ConfigError(f"{len(hosts)} {kind} hosts but {len(ports)} {kind} ports (after expansion); "
-                          "they pair up one to one")
     for port in ports:
         if not 1 <= port <= 65535:
             raise ConfigError(f"--{kind}-ports expands to {port}; allowed: 1..65535")
+    if len(hosts) != len(ports):
+        raise ConfigError(f"{len(hosts)} {kind} hosts but {len(ports)} {kind} ports (after expansion); "
+                          "they pair up one to one")
     return [f"{h}:{p}" for h, p in zip(hosts, ports)]
 
 

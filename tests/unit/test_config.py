@@ -168,3 +168,34 @@ def test_shipped_configs_are_valid(model_dir):
     for f in files:
         c = load(None, str(f), {"model__path": str(model_dir)}, env={})
         assert c.role == f.stem, f
+
+
+def test_vllm_ascend_proxy_flags_expand():
+    c = load("proxy", None, {"proxy__prefiller_hosts": ["10.0.0.1", "10.0.0.2"], "proxy__prefiller_ports": ["9000", "9000"],
+                             "proxy__prefiller_hosts_num": ["2", "2"], "proxy__prefiller_ports_inc": ["2", "2"],
+                             "proxy__decoder_hosts": ["10.0.0.3"], "proxy__decoder_ports": ["9100"]}, env={})
+    assert c.proxy.prefill == ["http://10.0.0.1:9000", "http://10.0.0.1:9001", "http://10.0.0.2:9000",
+                               "http://10.0.0.2:9001"]
+    assert c.proxy.decode == ["http://10.0.0.3:9100"]
+
+
+def test_proxy_flag_lists_from_env():
+    c = load("proxy", None, {}, env={"ASCENDSERVE_PD": "127.0.0.1:8001,127.0.0.1:8002"})
+    assert c.proxy.pd == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ({"proxy__decoder_hosts": ["a", "b"], "proxy__decoder_ports": ["1"]}, "2 decoder hosts but 1 decoder ports"),
+    ({"proxy__decoder_hosts": ["a"], "proxy__decoder_ports": ["1"], "proxy__decoder_hosts_num": ["1", "2"]},
+     "--decoder-hosts-num has 2 values for 1"),
+    ({"proxy__decoder_hosts": ["a"], "proxy__decoder_ports": ["65535"], "proxy__decoder_ports_inc": ["2"]},
+     "expands to 65536"),
+    ({"proxy__pd": ["nohostport"]}, "proxy.pd: 'nohostport' is invalid"),
+    ({"proxy__mode": "push"}, "needs cluster.metaserver_url"),
+    ({"cluster__metaserver_url": "http://0.0.0.0:8500"}, "wildcard address"),
+    ({"proxy__max_retries": "-1"}, "proxy.max_retries = '-1'"),
+])
+def test_bad_proxy_config(flags, needle):
+    with pytest.raises(ConfigError) as info:
+        load("proxy", None, flags, env={})
+    assert needle in str(info.value)
