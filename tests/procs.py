@@ -15,6 +15,7 @@ import httpx
 import psutil
 
 PYTHON = sys.executable
+REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 240.0
 
 # Deterministic, quiet CPU settings for every engine the tests start.
@@ -43,6 +44,7 @@ class Proc:
     port: int
     log_path: Path
     env: dict = field(default_factory=dict)
+    ready_path: str = "/v1/models"
     popen: subprocess.Popen | None = None
 
     @property
@@ -69,7 +71,7 @@ class Proc:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_text()[-4000:]}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -113,6 +115,23 @@ def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm") -> P
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
     return Proc(name, argv, port, log_dir / f"{name}.log")
+
+
+def stub(role: str, log_dir: Path, *extra: str, name: str | None = None) -> Proc:
+    """A fake engine instance (tests/stub_backend.py) for fault and load tests of the proxy."""
+    port = free_port()
+    argv = [PYTHON, "-m", "tests.stub_backend", "--role", role, "--port", str(port), *extra]
+    name = name or f"stub-{role}-{port}"
+    return Proc(name, argv, port, log_dir / f"{name}.log", {"PYTHONPATH": str(REPO)})
+
+
+def control(role: str, log_dir: Path, *extra: str, name: str | None = None, port: int | None = None) -> Proc:
+    """A control-plane role (proxy, metaserver) of ascendserve."""
+    port = port or free_port()
+    argv = [PYTHON, "-m", "ascendserve", "--role", role, "--port", str(port), "--log-format", "json", *extra]
+    name = name or f"{role}-{port}"
+    ready = "/healthcheck" if role == "proxy" else "/health"
+    return Proc(name, argv, port, log_dir / f"{name}.log", {}, ready)
 
 
 def start_all(*procs: Proc) -> None:

@@ -160,7 +160,8 @@ class Stub:
                 if i == n - 1:
                     choice["finish_reason"] = "length"
                 chunk = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": obj, "created": created,
-                         "model": self.args.model, "choices": [choice]}
+                         "model": self.args.model, "system_fingerprint": f"stub-{self.args.port}",
+                         "choices": [choice]}
                 await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
                             "more_body": True})
             usage = {"id": f"x-{rid}", "object": obj, "created": created, "model": self.args.model, "choices": [],
@@ -183,9 +184,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
     ap.add_argument("--require-kv", action="store_true", help="decode: refuse requests that skipped P")
+    ap.add_argument("--metaserver-url", default="", help="register and heartbeat like an engine role")
+    ap.add_argument("--cluster-token", default="")
     args = ap.parse_args()
     from ascendserve.web.server import run
 
+    if args.metaserver_url:
+        from ascendserve.discovery.heartbeat import Heartbeat
+
+        url = f"http://127.0.0.1:{args.port}"
+        Heartbeat(args.metaserver_url, args.cluster_token, f"stub-{args.role}-{args.port}", args.role, url, url,
+                  args.model, interval_s=0.5).start()
     run(Stub(args), "127.0.0.1", args.port)
 
 

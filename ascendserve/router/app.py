@@ -77,12 +77,12 @@ def _ms(started: float) -> float:
     return round((time.monotonic() - started) * 1000, 2)
 
 
-@post("/v1/chat/completions")
+@post("/v1/chat/completions", status_code=200)
 async def chat(request: Request, state: State) -> Response | Stream:
     return await _serve("chat", request, state)
 
 
-@post("/v1/completions")
+@post("/v1/completions", status_code=200)
 async def completions(request: Request, state: State) -> Response | Stream:
     return await _serve("completions", request, state)
 
@@ -186,17 +186,17 @@ async def _fan_out(state: State, path: str) -> Response:
                     status_code=500 if failed else 200)
 
 
-@post("/start_profile")
+@post("/start_profile", status_code=200)
 async def start_profile(state: State) -> Response:
     return await _fan_out(state, "/start_profile")
 
 
-@post("/stop_profile")
+@post("/stop_profile", status_code=200)
 async def stop_profile(state: State) -> Response:
     return await _fan_out(state, "/stop_profile")
 
 
-@post("/reset_prefix_cache")
+@post("/reset_prefix_cache", status_code=200)
 async def reset_prefix_cache(state: State) -> Response:
     return await _fan_out(state, "/reset_prefix_cache")
 

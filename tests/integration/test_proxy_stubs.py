@@ -1,0 +1,271 @@
+"""The proxy as a real process in front of fast stub engines (tests/stub_backend.py).
+
+Stubs give exact control over failure timing and can be SIGKILLed by the
+hundred; the proxy under test is the real one. Equality of tokens through
+real vLLM instances lives in test_topologies.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import control, start_all, stub
+
+pytestmark = pytest.mark.integration
+API_KEY, TOKEN = "client-key-1", "cluster-secret-1"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+
+
+def stats(proc) -> dict:
+    return httpx.get(proc.url + "/stub/stats", timeout=5).json()
+
+
+def wait_for(predicate, timeout=15.0, every=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def in_flight(proxy) -> int:
+    return httpx.get(proxy.url + "/healthcheck", timeout=5).json()["request_num"]
+
+
+def sse_events(text: str) -> list:
+    out = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("proxy-stub-logs")
+    conf = logs / "proxy.toml"
+    conf.write_text("[proxy]\nmax_body_mb = 1.0\nhealth_interval_s = 0.5\neject_after = 2\n")
+    p = stub("prefill", logs)
+    d1 = stub("decode", logs, "--require-kv", "--token-delay-ms", "5")
+    d2 = stub("decode", logs, "--require-kv", "--token-delay-ms", "5")
+    start_all(p, d1, d2)
+    proxy = control("proxy", logs, "--config", str(conf), "--prefill", f"127.0.0.1:{p.port}",
+                    "--decode", f"127.0.0.1:{d1.port}", f"127.0.0.1:{d2.port}",
+                    "--api-key", API_KEY, "--cluster-token", TOKEN)
+    start_all(proxy)
+    wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
+    yield proxy, p, d1, d2
+    for proc in (proxy, p, d1, d2):
+        proc.stop()
+
+
+def test_pull_mode_prefill_then_decode(pd_cluster):
+    proxy, p, d1, d2 = pd_cluster
+    before = stats(p)["prefills"]
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=API_KEY, max_retries=0)
+    r = client.completions.create(model="stub-model", prompt="hello", max_tokens=5)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model="stub-model", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert stats(p)["prefills"] == before + 2
+    assert stats(d1)["protocol_errors"] == stats(d2)["protocol_errors"] == 0
+    assert [m.id for m in client.models.list().data] == ["stub-model"]
+
+
+@pytest.mark.parametrize("body,headers,status,needle", [
+    (b"{not json", AUTH, 400, "not valid JSON"),
+    (b'{"model": "stub-model", "prompt": "x", "max_tokens": "ten"}', AUTH, 400, "'max_tokens' must be an integer"),
+    (b'{"model": "stub-model", "prompt": 7}', AUTH, 400, "'prompt' must be"),
+    (b'{"model": "gpt-9", "prompt": "x"}', AUTH, 404, "does not exist"),
+    (b'{"model": "stub-model", "prompt": "' + b"x" * (2 * 1024 * 1024) + b'"}', AUTH, 413, "too large"),
+    (b'{"model": "stub-model", "prompt": "x"}', {}, 401, "API key"),
+    (b'{"model": "stub-model", "prompt": "x"}', {"authorization": "Bearer wrong"}, 401, "API key"),
+])
+def test_bad_input_gets_openai_error(pd_cluster, body, headers, status, needle):
+    proxy = pd_cluster[0]
+    r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": "application/json", **headers},
+                   timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"] and "code" in error
+    assert API_KEY not in r.text and TOKEN not in r.text
+
+
+def test_admin_routes_need_the_cluster_token_and_check_bodies(pd_cluster):
+    proxy, p, d1, d2 = pd_cluster
+    body = {"type": "decode", "instances": [f"127.0.0.1:{d2.port}"]}
+    assert httpx.post(proxy.url + "/instances/remove", json=body).status_code == 401
+    assert httpx.post(proxy.url + "/instances/remove", json=body, headers=AUTH).status_code == 401
+    bad = httpx.post(proxy.url + "/instances/add", json={"type": "router", "instances": ["h:1"]}, headers=ADMIN)
+    assert bad.status_code == 400 and "not supported" in bad.json()["error"]["message"]
+    bad = httpx.post(proxy.url + "/instances/add", json={"type": "decode", "instances": 5}, headers=ADMIN)
+    assert bad.status_code == 400
+    r = httpx.post(proxy.url + "/instances/remove", json=body, headers=ADMIN)
+    assert r.status_code == 200 and f"http://127.0.0.1:{d2.port}" not in r.json()["current_decode_instances"]
+    served = stats(d2)["decodes"]
+    for _ in range(6):
+        httpx.post(proxy.url + "/v1/completions", json={"model": "stub-model", "prompt": "x", "max_tokens": 2},
+                   headers=AUTH, timeout=30).raise_for_status()
+    assert stats(d2)["decodes"] == served  # removed: no new work
+    r = httpx.post(proxy.url + "/instances/add", json={"type": "decode", "instances": f"127.0.0.1:{d2.port}"},
+                   headers=ADMIN)
+    assert r.status_code == 200 and "waiting to be added" in r.json()["message"]
+    wait_for(lambda: httpx.get(proxy.url + "/healthcheck").json()["decode_instances"] == 2)
+    unknown = httpx.post(proxy.url + "/instances/add", json={"type": "decode", "instances": ["127.0.0.1:1"]},
+                         headers=ADMIN)
+    assert unknown.status_code == 200
+    wait_for(lambda: all(i["url"] != "http://127.0.0.1:1"
+                         for i in httpx.get(proxy.url + "/instances", headers=ADMIN).json()["instances"]))
+
+
+def test_hundred_client_disconnects_release_everything(pd_cluster):
+    proxy, p, d1, d2 = pd_cluster
+    aborted = stats(d1)["aborted"] + stats(d2)["aborted"]
+
+    async def one(client: httpx.AsyncClient):
+        async with client.stream("POST", proxy.url + "/v1/completions", headers=AUTH,
+                                 json={"model": "stub-model", "prompt": "x", "max_tokens": 400, "stream": True}) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_bytes():
+                break  # first chunk, then hang up
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=100)) as client:
+            await asyncio.gather(*(one(client) for _ in range(100)))
+
+    asyncio.run(all_of_them())
+    wait_for(lambda: in_flight(proxy) == 0)
+    wait_for(lambda: stats(d1)["aborted"] + stats(d2)["aborted"] - aborted == 100)
+    assert stats(d1)["active"] == stats(d2)["active"] == 0
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'ascendserve_proxy_in_flight{instance="http://127.0.0.1:%d",role="decode"} 0.0' % d1.port in metrics
+
+
+def test_metrics_and_health(pd_cluster):
+    proxy = pd_cluster[0]
+    text = httpx.get(proxy.url + "/metrics").text
+    for name in ("ascendserve_proxy_requests_total", "ascendserve_proxy_ttft_seconds_bucket",
+                 "ascendserve_proxy_e2e_seconds_bucket", "ascendserve_proxy_retries_total",
+                 "ascendserve_proxy_errors_total"):
+        assert name in text
+    health = httpx.get(proxy.url + "/health").json()
+    assert health["status"] == "ok" and health["roles"]["decode"]["healthy"] == 2
+
+
+def test_sigkill_decode_mid_stream(tmp_path):
+    """In-flight streams on the killed instance end with an error event; the rest and
+    every later request are served by the survivor; counters return to 0."""
+    p = stub("prefill", tmp_path)
+    d1 = stub("decode", tmp_path, "--require-kv", "--token-delay-ms", "40")
+    d2 = stub("decode", tmp_path, "--require-kv", "--token-delay-ms", "40")
+    start_all(p, d1, d2)
+    proxy = control("proxy", tmp_path, "--prefill", f"127.0.0.1:{p.port}",
+                    "--decode", f"127.0.0.1:{d1.port}", f"127.0.0.1:{d2.port}")
+    try:
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
+
+        async def stream_one(client):
+            text = ""
+            async with client.stream("POST", proxy.url + "/v1/completions",
+                                     json={"model": "stub-model", "prompt": "x", "max_tokens": 100, "stream": True}) as r:
+                assert r.status_code == 200
+                async for chunk in r.aiter_text():
+                    text += chunk
+            return sse_events(text)
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [asyncio.ensure_future(stream_one(client)) for _ in range(8)]
+                await asyncio.sleep(1.0)
+                d1.popen.send_signal(signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+        killed_fp, survivor_fp = f"stub-{d1.port}", f"stub-{d2.port}"
+        on_killed = [ev for ev in results if any(isinstance(e, dict) and e.get("system_fingerprint") == killed_fp for e in ev)]
+        on_survivor = [ev for ev in results if ev not in on_killed]
+        assert on_killed and on_survivor
+        for events in on_killed:
+            assert "error" in events[-2] and events[-1] == "[DONE]"
+            assert "failed mid-stream" in events[-2]["error"]["message"]
+        for events in on_survivor:
+            assert events[-1] == "[DONE]" and all("error" not in e for e in events if isinstance(e, dict))
+            assert {e.get("system_fingerprint") for e in events if isinstance(e, dict) and e.get("choices")} == {survivor_fp}
+        for _ in range(10):
+            r = httpx.post(proxy.url + "/v1/completions", timeout=30,
+                           json={"model": "stub-model", "prompt": "x", "max_tokens": 3, "stream": True})
+            assert r.status_code == 200 and survivor_fp in r.text and "error" not in r.text
+        wait_for(lambda: in_flight(proxy) == 0)
+        states = {i["url"]: i["state"] for i in httpx.get(proxy.url + "/instances").json()["instances"]}
+        assert states[f"http://127.0.0.1:{d1.port}"] == "ejected"
+    finally:
+        for proc in (proxy, p, d1, d2):
+            proc.stop()
+
+
+def test_push_mode_through_the_metaserver(tmp_path):
+    meta = control("metaserver", tmp_path, "--cluster-token", TOKEN)
+    p = stub("prefill", tmp_path)
+    d = stub("decode", tmp_path, "--require-kv")
+    start_all(meta, p, d)
+    proxy = control("proxy", tmp_path, "--mode", "push", "--metaserver-url", meta.url, "--cluster-token", TOKEN,
+                    "--prefill", f"127.0.0.1:{p.port}", "--decode", f"127.0.0.1:{d.port}")
+    try:
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
+        for i in range(5):
+            stream = i % 2 == 0
+            r = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
+                "model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "stream": stream})
+            assert r.status_code == 200, r.text
+            assert ("[DONE]" in r.text) if stream else r.json()["choices"][0]["finish_reason"] == "length"
+        assert stats(p)["prefills"] == 5 and stats(d)["push_callbacks"] == 5
+        assert stats(d)["protocol_errors"] == 0
+        # D's callback without the per-request ticket is refused.
+        bad = httpx.post(meta.url + "/v1/metaserver", json={"request_id": "chatcmpl-x"})
+        assert bad.status_code == 404
+        assert httpx.post(meta.url + "/v1/metaserver/expect", json={}).status_code == 401
+    finally:
+        for proc in (proxy, meta, p, d):
+            proc.stop()
+
+
+def test_registry_join_and_missed_heartbeat(tmp_path):
+    conf = tmp_path / "meta.toml"
+    conf.write_text("[metaserver]\nheartbeat_timeout_s = 2.0\n")
+    meta = control("metaserver", tmp_path, "--cluster-token", TOKEN, "--config", str(conf))
+    start_all(meta)
+    proxy = control("proxy", tmp_path, "--metaserver-url", meta.url, "--cluster-token", TOKEN)
+    start_all(proxy)
+    body = {"model": "stub-model", "prompt": "x", "max_tokens": 2}
+    try:
+        assert httpx.post(proxy.url + "/v1/completions", json=body, timeout=30).status_code == 503
+        pd = stub("pd", tmp_path, "--metaserver-url", meta.url, "--cluster-token", TOKEN)
+        start_all(pd)
+        wait_for(lambda: httpx.get(proxy.url + "/healthcheck").json()["pd_instances"] == 1)
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and stats(pd)["decodes"] == 1
+        pd.popen.send_signal(signal.SIGKILL)  # no deregistration: only the deadline can remove it
+        wait_for(lambda: httpx.get(proxy.url + "/healthcheck").json()["pd_instances"] == 0, timeout=20)
+        view = httpx.get(meta.url + "/v1/registry/instances", headers=ADMIN).json()
+        assert view["instances"] == []
+        assert httpx.get(meta.url + "/v1/registry/instances").status_code == 401
+        assert httpx.post(proxy.url + "/v1/completions", json=body, timeout=30).status_code == 503
+        pd.stop()
+    finally:
+        proxy.stop()
+        meta.stop()
