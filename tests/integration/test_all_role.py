@@ -1,0 +1,79 @@
+"""`ascendserve --role all`: a whole cluster from one command, supervised."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.procs import ENGINE_ENV, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(what)
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
+    port = free_port()
+    out = open(tmp_path / "all.out", "w")
+    err = open(tmp_path / "all.err", "w")
+    env = {**os.environ, **ENGINE_ENV}
+    env.pop("VLLM_CPU_KVCACHE_SPACE")  # the demo sizes its own memory
+    proc = subprocess.Popen([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "mono",
+                             "--port", str(port), "--runtime-dir", str(tmp_path / "run"), "--log-format", "json"],
+                            stdout=out, stderr=err, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: "ready at" in (tmp_path / "all.out").read_text(), 300, "cluster never announced itself")
+        announced = (tmp_path / "all.out").read_text()
+        assert url in announced and "curl -s" in announced
+        model = str(tmp_path / "run" / "demo-model-text")
+        body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+        engine = next(p for p in tree(proc.pid) if "--role" in p.cmdline() and "pd" in p.cmdline())
+        engine_tree = [engine, *engine.children(recursive=True)]
+        os.killpg(engine.pid, signal.SIGKILL)  # the engine and its vLLM processes, as a crash would
+        wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, 60, "crash not noticed")
+        wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 300, "engine not restarted")
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine_tree)
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        assert "child exited; restarting" in (tmp_path / "all.err").read_text()
+
+        everything = tree(proc.pid)
+        assert len(everything) >= 4  # metaserver, engine (+ vLLM core), proxy
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everything), 30,
+                 "children outlived --role all")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in tree(proc.pid):
+            p.kill()
+        out.close()
+        err.close()
