@@ -1,0 +1,168 @@
+"""Proxy overhead: direct (the floor) vs ascendserve vs vllm-ascend's example proxy vs vllm-router.
+
+    python -m bench.proxy [--duration 5] [--concurrency 1 16 64]
+        [--vllm-ascend-proxy FILE | --vllm-ascend-repo GITDIR] [--vllm-router BIN]
+
+Fast stub P and D instances (tests/stub_backend.py, no model) stand behind
+each proxy; the decode stub refuses requests that skipped the prefill hop,
+so every proxy is checked to do P then D. "direct" is the client doing both
+hops itself: the floor. Each request streams 16 tokens from /v1/completions.
+Peers are optional: vllm-ascend's proxy is read from a git checkout of
+vllm-ascend (never copied into this repository); vllm-router is looked up on
+PATH or in --vllm-router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+from bench._report import save, table
+from tests.procs import Proc, control, free_port, start_all, stub
+
+BODY = {"model": "stub-model", "prompt": "benchmark prompt " * 8, "max_tokens": 16, "stream": True}
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+async def _read_all(resp) -> None:
+    async for _ in resp.content.iter_any():
+        pass
+
+
+async def one_via_proxy(session, url: str) -> None:
+    async with session.post(url + "/v1/completions", json=BODY) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {(await r.read())[:200]!r}")
+        await _read_all(r)
+
+
+async def one_direct(session, p_url: str, d_url: str) -> None:
+    p_body = dict(BODY, max_tokens=1, min_tokens=1, stream=False, kv_transfer_params=PREFILL_PARAMS)
+    async with session.post(p_url + "/v1/completions", json=p_body) as r:
+        kv = (await r.json())["kv_transfer_params"]
+    async with session.post(d_url + "/v1/completions", json=dict(BODY, kv_transfer_params=kv)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}")
+        await _read_all(r)
+
+
+async def load(send, concurrency: int, duration: float, warmup: float = 1.0) -> dict:
+    latencies: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + warmup + duration
+    measure_from = time.monotonic() + warmup
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def worker():
+            nonlocal errors
+            while (now := time.monotonic()) < stop_at:
+                try:
+                    await send(session)
+                    if now >= measure_from:
+                        latencies.append(time.monotonic() - now)
+                except Exception:
+                    errors += 1
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    latencies.sort()
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 2 else [float("nan")] * 99
+    return {"rps": len(latencies) / duration, "p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000,
+            "n": len(latencies), "errors": errors}
+
+
+def vllm_ascend_proxy(args, tmp: Path, p: Proc, d: Proc) -> Proc | None:
+    source = Path(args.vllm_ascend_proxy) if args.vllm_ascend_proxy else None
+    if source is None and args.vllm_ascend_repo and Path(args.vllm_ascend_repo).exists():
+        source = tmp / "load_balance_proxy_server_example.py"
+        rel = "examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
+        with open(source, "wb") as f:
+            if subprocess.run(["git", "-C", args.vllm_ascend_repo, "show", f"HEAD:{rel}"], stdout=f).returncode:
+                return None
+    if source is None or not source.exists():
+        return None
+    port = free_port()
+    argv = [sys.executable, str(source), "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+            "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(p.port),
+            "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(d.port)]
+    return Proc("vllm-ascend proxy", argv, port, tmp / "vllm-ascend-proxy.log", {}, "/healthcheck")
+
+
+def vllm_router(args, tmp: Path, p: Proc, d: Proc) -> Proc | None:
+    binary = args.vllm_router or shutil.which("vllm-router")
+    if not binary or not Path(binary).exists():
+        return None
+    port = free_port()
+    argv = [binary, "--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url, "--host", "127.0.0.1",
+            "--port", str(port), "--policy", "round_robin", "--prometheus-port", str(free_port()),
+            "--worker-startup-check-interval", "1"]
+    return Proc("vllm-router", argv, port, tmp / "vllm-router.log", {}, "/health")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--vllm-ascend-proxy", default="")
+    ap.add_argument("--vllm-ascend-repo", default="/work/.mirror/vllm-project+vllm-ascend/repo")
+    ap.add_argument("--vllm-router", default="/tmp/vr/venv/bin/vllm-router")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv")
+        start_all(p, d)
+        candidates = {"ascendserve proxy": control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}",
+                                                   "--decode", f"127.0.0.1:{d.port}", "--log-level", "warning")}
+        for name, make in (("vllm-ascend proxy", vllm_ascend_proxy), ("vllm-router", vllm_router)):
+            proc = make(args, tmp, p, d)
+            if proc is None:
+                print(f"{name}: not found, skipped")
+            else:
+                candidates[name] = proc
+        results: dict[str, dict[int, dict]] = {"direct (floor)": {}}
+        for c in args.concurrency:
+            results["direct (floor)"][c] = asyncio.run(load(lambda s: one_direct(s, p.url, d.url), c, args.duration))
+        for name, proc in candidates.items():
+            try:
+                start_all(proc)
+                for _ in range(50):
+                    if httpx.get(proc.url + ("/health" if name != "vllm-ascend proxy" else "/healthcheck")).status_code == 200:
+                        break
+                    time.sleep(0.2)
+                results[name] = {c: asyncio.run(load(lambda s, u=proc.url: one_via_proxy(s, u), c, args.duration))
+                                 for c in args.concurrency}
+            except Exception as exc:
+                print(f"{name}: failed: {exc}")
+            finally:
+                proc.stop()
+        protocol_errors = httpx.get(d.url + "/stub/stats").json()["protocol_errors"]
+        p.stop(), d.stop()
+    floor = results["direct (floor)"]
+    peer = results.get("vllm-ascend proxy")
+    rows = []
+    for name, by_c in results.items():
+        for c, r in by_c.items():
+            rows.append([name, c, r["rps"], r["p50_ms"], r["p99_ms"], r["p50_ms"] - floor[c]["p50_ms"],
+                         r["p99_ms"] - floor[c]["p99_ms"], r["rps"] / floor[c]["rps"],
+                         (r["rps"] / peer[c]["rps"]) if peer and c in peer else float("nan"), r["errors"]])
+    table(f"P->D through each proxy, stub backends, 16 streamed tokens, {args.duration:.0f} s per point "
+          f"(decode protocol errors: {protocol_errors})",
+          ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend", "errors"],
+          rows)
+    save("proxy", {"args": vars(args), "results": {k: {str(c): v for c, v in by.items()} for k, by in results.items()},
+                   "decode_protocol_errors": protocol_errors})
+
+
+if __name__ == "__main__":
+    main()
