@@ -16,7 +16,8 @@ import importlib
 import sys
 
 from ascendserve import __version__
-from ascendserve.config import ROLES, ConfigError, flags_for, load, redacted
+from ascendserve.config import ConfigError, load, redacted
+from ascendserve.flags import ROLES, flags_for
 
 EXIT_USAGE = 2
 

@@ -12,16 +12,14 @@ import re
 import socket
 import tomllib
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-ROLES = ("encoder", "prefill", "decode", "pd", "proxy", "metaserver", "elastic-server", "all")
-ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
-ENV_PREFIX = "ASCENDSERVE_"
+from ascendserve.flags import ENGINE_ROLES, ENV_PREFIX, FLAGS, ROLES, Flag
+
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -164,76 +162,8 @@ class Config(_Section):
         return f"http://[{host}]:{self.server.port}" if ":" in host else f"http://{host}:{self.server.port}"
 
 
-@dataclass(frozen=True)
-class Flag:
-    """A command-line flag bound to one config key; its env twin is derived."""
-
-    name: str
-    key: str
-    help: str
-    roles: tuple[str, ...] = ROLES
-    repeatable: bool = False
-    switch: bool = False
-    many: bool = False  # nargs="+"; the env twin is comma- or space-separated
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.lstrip("-").replace("-", "_").upper()
-
-    @property
-    def dest(self) -> str:
-        return self.key.replace(".", "__")
-
-
-FLAGS: tuple[Flag, ...] = (
-    Flag("--host", "server.host", "address to bind (default 127.0.0.1)"),
-    Flag("--port", "server.port", "port to listen on (default 8000)"),
-    Flag("--instance-id", "instance_id", "name of this instance in logs and the registry"),
-    Flag("--runtime-dir", "runtime_dir", "scratch directory (default /tmp/ascendserve-<uid>)"),
-    Flag("--log-level", "log.level", "debug | info | warning | error"),
-    Flag("--log-format", "log.format", "auto (JSON unless stderr is a terminal) | json | console"),
-    Flag("--cluster-token", "cluster.token", "shared secret for internal routes"),
-    Flag("--metaserver-url", "cluster.metaserver_url", "metaserver to register with"),
-    Flag("--model", "model.path", "local model directory (role all: default a tiny demo model)", ENGINE_ROLES + ("all",)),
-    Flag("--served-model-name", "model.served_name", "model name clients use (default: the path)", ENGINE_ROLES),
-    Flag("--tensor-parallel-size", "engine.tensor_parallel_size", "tensor parallel ranks", ENGINE_ROLES),
-    Flag("--dtype", "engine.dtype", "weights/activations dtype passed to vLLM", ENGINE_ROLES),
-    Flag("--max-model-len", "engine.max_model_len", "context length limit", ENGINE_ROLES),
-    Flag("--max-num-seqs", "engine.max_num_seqs", "concurrent sequences per step", ENGINE_ROLES),
-    Flag("--gpu-memory-utilization", "engine.gpu_memory_utilization", "device memory fraction (0, 1]", ENGINE_ROLES),
-    Flag("--enforce-eager", "engine.enforce_eager", "disable graph capture / compilation", ENGINE_ROLES, switch=True),
-    Flag("--vllm-arg", "engine.vllm_args", "extra vLLM argument, repeatable (e.g. --vllm-arg=--seed=1)", ENGINE_ROLES, repeatable=True),
-    Flag("--kv-connector", "kv.connector", "KV connector between prefill and decode", ("prefill", "decode")),
-    Flag("--kv-path", "kv.path", "storage path of the example KV connector", ("prefill", "decode")),
-    Flag("--ec-connector", "ec.connector", "encoder-cache connector", ("encoder", "prefill", "pd")),
-    Flag("--ec-path", "ec.path", "storage path of the example EC connector", ("encoder", "prefill", "pd")),
-    Flag("--ec-enabled", "ec.enabled", "load encoder outputs from the EC store (topology has an encoder)", ("prefill", "pd"), switch=True),
-    Flag("--mode", "proxy.mode", "P/D hand-off: pull | push (push needs --metaserver-url)", ("proxy", "all")),
-    Flag("--encoder-dispatch", "proxy.encoder_dispatch", "single | fanout (one encoder call per item)", ("proxy",)),
-    Flag("--encoder-fallback", "proxy.encoder_fallback", "all encoders down: local (PD encodes) | fail", ("proxy",)),
-    Flag("--max-retries", "proxy.max_retries", "retries of a failed hop before the first byte", ("proxy",)),
-    Flag("--api-key", "proxy.api_keys", "accepted client API key(s)", ("proxy", "all"), many=True),
-    Flag("--encoder", "proxy.encoder", "static encoder instances host:port", ("proxy",), many=True),
-    Flag("--prefill", "proxy.prefill", "static prefill instances host:port", ("proxy",), many=True),
-    Flag("--decode", "proxy.decode", "static decode instances host:port", ("proxy",), many=True),
-    Flag("--pd", "proxy.pd", "static pd instances host:port", ("proxy",), many=True),
-    Flag("--prefiller-hosts", "proxy.prefiller_hosts", "vllm-ascend compatible", ("proxy",), many=True),
-    Flag("--prefiller-ports", "proxy.prefiller_ports", "vllm-ascend compatible", ("proxy",), many=True),
-    Flag("--prefiller-hosts-num", "proxy.prefiller_hosts_num", "repeat each prefiller host N times", ("proxy",), many=True),
-    Flag("--prefiller-ports-inc", "proxy.prefiller_ports_inc", "N consecutive ports from each prefiller port", ("proxy",), many=True),
-    Flag("--decoder-hosts", "proxy.decoder_hosts", "vllm-ascend compatible", ("proxy",), many=True),
-    Flag("--decoder-ports", "proxy.decoder_ports", "vllm-ascend compatible", ("proxy",), many=True),
-    Flag("--decoder-hosts-num", "proxy.decoder_hosts_num", "repeat each decoder host N times", ("proxy",), many=True),
-    Flag("--decoder-ports-inc", "proxy.decoder_ports_inc", "N consecutive ports from each decoder port", ("proxy",), many=True),
-    Flag("--topology", "all.topology", "1E1P1D | 1P1D | 1E1PD | mono", ("all",)),
-)
-
 _SECRET_KEY = re.compile(r"(token|secret|password|api[-_]?key)", re.IGNORECASE)
 REDACTED = "***"
-
-
-def flags_for(role: str | None) -> list[Flag]:
-    return [f for f in FLAGS if role is None or role in f.roles]
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -32,22 +32,18 @@ PROMPTS = [
 ]
 
 
-def completion_ids(url: str, model: str, prompt: str, max_tokens: int) -> list[int]:
-    r = httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt, "max_tokens": max_tokens,
-        "temperature": 0, "return_token_ids": True,
-    })
+def token_ids(url: str, path: str, body: dict) -> list[int]:
+    r = httpx.post(url + path, timeout=120, json={**body, "temperature": 0, "return_token_ids": True})
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
+
+
+def completion_ids(url: str, model: str, prompt: str, max_tokens: int) -> list[int]:
+    return token_ids(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens})
 
 
 def chat_ids(url: str, model: str, messages: list, max_tokens: int) -> list[int]:
-    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": model, "messages": messages, "max_tokens": max_tokens,
-        "temperature": 0, "return_token_ids": True,
-    })
-    r.raise_for_status()
-    return r.json()["choices"][0]["token_ids"]
+    return token_ids(url, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": max_tokens})
 
 
 @pytest.fixture(scope="module")
