@@ -60,6 +60,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--mode", "proxy.mode", "P/D hand-off: pull | push (push needs --metaserver-url)", ("proxy", "all")),
     Flag("--encoder-dispatch", "proxy.encoder_dispatch", "single | fanout (one encoder call per item)", ("proxy",)),
     Flag("--encoder-fallback", "proxy.encoder_fallback", "all encoders down: local (PD encodes) | fail", ("proxy",)),
+    Flag("--prefix-aware", "proxy.prefix_aware", "same prompt prefix -> same decode/pd instance while load allows", ("proxy",), switch=True),
     Flag("--max-retries", "proxy.max_retries", "retries of a failed hop before the first byte", ("proxy",)),
     Flag("--api-key", "proxy.api_keys", "accepted client API key(s)", ("proxy", "all"), many=True),
     Flag("--encoder", "proxy.encoder", "static encoder instances host:port", ("proxy",), many=True),

@@ -34,7 +34,7 @@ import structlog
 from ascendserve.config import ProxyConfig
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
-                                         only_part)
+                                         only_part, prefix_key)
 from ascendserve.router.media import encoder_tokens
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pools import Instance, Lease, Pool, Pools
@@ -90,12 +90,17 @@ class Pipeline:
                        type="service_unavailable", code="no_instance")
 
     # ---- retries -----------------------------------------------------------
-    async def _with_retries(self, role: str, attempt: Callable[[Pool, Instance], Awaitable]):
+    async def _with_retries(self, role: str, attempt: Callable[[Pool, Instance], Awaitable],
+                            prefix_key: bytes | None = None):
         pool = self.pools[role]
         tried: set[str] = set()
         last: UpstreamError | None = None
         for n in range(self.settings.max_retries + 1):
-            inst = pool.select(frozenset(tried)) or pool.select()
+            if prefix_key is not None:
+                inst = pool.select_for_prefix(prefix_key, self.settings.prefix_slack_tokens, frozenset(tried))
+            else:
+                inst = pool.select(frozenset(tried))
+            inst = inst or pool.select()
             if inst is None:
                 break
             tried.add(inst.url)
@@ -206,6 +211,7 @@ class Pipeline:
                       on_first_byte: Callable[[], None] | None = None) -> Reply:
         cost = tokens + max_new_tokens(body)
         started = time.monotonic()
+        key = prefix_key(body, self.settings.prefix_chars) if self.settings.prefix_aware else None
         if body.get("stream") is not True:
             async def attempt_json(pool: Pool, inst: Instance):
                 lease = pool.lease(inst, cost)
@@ -216,7 +222,7 @@ class Pipeline:
                 finally:
                     lease.release(ok=False)
 
-            result, url = await self._with_retries(role, attempt_json)
+            result, url = await self._with_retries(role, attempt_json, key)
             self.metrics.observe_done(started)
             return Reply(body=result, backend=url)
 
@@ -235,7 +241,7 @@ class Pipeline:
             return lease, response, first
 
         try:
-            lease, response, first = await self._with_retries(role, attempt_stream)
+            lease, response, first = await self._with_retries(role, attempt_stream, key)
         except BaseException:
             if on_first_byte:
                 on_first_byte()
