@@ -57,8 +57,12 @@ class EngineConfig(_Section):
 
 
 class KVConfig(_Section):
-    connector: Literal["example"] = "example"
-    path: str = ""
+    connector: Literal["example", "pull"] = "example"
+    path: str = ""  # example connector: shared storage directory
+    transport: Literal["tcp"] = "tcp"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # side channel; 0 = server.port + 1000 (TP rank r: + r)
+    ttl_s: Annotated[float, Meta(gt=0.0)] = 120.0  # P frees blocks D never pulled after this
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
 
 class ECConfig(_Section):
@@ -328,6 +332,11 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
         _check_model(config.model.path)
         if not config.kv.path:
             config.kv.path = str(Path(config.runtime_dir) / "kv")
+        if not config.kv.port:
+            config.kv.port = config.server.port + 1000
+            if config.kv.port > 65535:
+                raise ConfigError(f"kv.port defaults to server.port + 1000 = {config.kv.port}, above 65535; "
+                                  "set kv.port (--kv-port)")
         if not config.ec.path:
             config.ec.path = str(Path(config.runtime_dir) / "ec")
     if config.role == "all" and config.model.path:

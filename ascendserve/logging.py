@@ -96,6 +96,12 @@ def vllm_dictconfig(role: str, instance_id: str, level: str, fmt: str) -> dict:
 def configure(role: str, instance_id: str, level: str = "info", fmt: str = "auto") -> None:
     """Configure structlog and stdlib logging for this process."""
     logging.config.dictConfig(vllm_dictconfig(role, instance_id, level, fmt))
+    route_structlog_to_stdlib()
+
+
+def route_structlog_to_stdlib() -> None:
+    """structlog events go through stdlib logging (and so through the formatter
+    vLLM's dictConfig installed). Called in every vLLM process by the plugin."""
     logging.captureWarnings(True)
     structlog.configure(
         processors=[

@@ -59,10 +59,10 @@ async def run(proxy_url: str, model: str, prompts: list[str], concurrency: int) 
             async with client.stream("POST", proxy_url + "/v1/completions", json={
                     "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
                 r.raise_for_status()
-                async for _ in r.aiter_bytes():
-                    ttfts.append(time.monotonic() - start)
-                    break
-                async for _ in r.aiter_bytes():
+                chunks = r.aiter_bytes()
+                await chunks.__anext__()
+                ttfts.append(time.monotonic() - start)
+                async for _ in chunks:
                     pass
 
     async with httpx.AsyncClient(timeout=120) as client:

@@ -8,12 +8,11 @@ process can import the multimodal stack.
 
 from __future__ import annotations
 
-import logging
-
 from ascendserve.engine.torchvision_compat import ensure_torchvision_importable
+from ascendserve.logging import route_structlog_to_stdlib
 
 
 def register() -> None:
     ensure_torchvision_importable()
-    # Python warnings go through the same renderer as vLLM's log records.
-    logging.captureWarnings(True)
+    # Our log lines and Python warnings use the renderer vLLM's dictConfig set up.
+    route_structlog_to_stdlib()

@@ -28,7 +28,8 @@ OWNED = {
     "mm-encoder-only": "--role encoder",
 }
 
-KV_CONNECTORS = {"example": "ExampleConnector"}
+KV_CONNECTORS = {"example": "ExampleConnector", "pull": "AscendPullConnector"}
+KV_MODULES = {"pull": "ascendserve.connectors.kv.pull"}
 EC_CONNECTORS = {"example": "ECExampleConnector"}
 MIDDLEWARE = "ascendserve.engine.middleware.RequestContext"
 
@@ -38,10 +39,17 @@ def _json(obj: Any) -> str:
 
 
 def kv_transfer_config(config: Config, kv_role: str) -> dict:
+    kv = config.kv
+    if kv.connector == "example":
+        return {"kv_connector": KV_CONNECTORS["example"], "kv_role": kv_role,
+                "kv_connector_extra_config": {"shared_storage_path": kv.path}}
     return {
-        "kv_connector": KV_CONNECTORS[config.kv.connector],
+        "kv_connector": KV_CONNECTORS[kv.connector],
+        "kv_connector_module_path": KV_MODULES[kv.connector],
         "kv_role": kv_role,
-        "kv_connector_extra_config": {"shared_storage_path": config.kv.path},
+        "kv_load_failure_policy": kv.load_failure_policy,
+        "kv_connector_extra_config": {"host": config.cluster.advertise_host, "bind_host": config.server.host,
+                                      "port": kv.port, "ttl_s": kv.ttl_s, "transport": kv.transport},
     }
 
 
@@ -144,6 +152,9 @@ def prepare_environment(config: Config) -> dict[str, str]:
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # Connectors in vLLM's worker processes read the token from here, not
+        # from the engine config, which vLLM logs.
+        "ASCENDSERVE_CLUSTER_TOKEN": config.cluster.token,
     }
 
 

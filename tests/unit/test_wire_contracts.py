@@ -45,3 +45,35 @@ def test_registry_messages():
     assert set(Heartbeat.__struct_fields__) == {"instance_id", "load"}
     assert set(RegistryView.__struct_fields__) == {"revision", "heartbeat_timeout_s", "instances"}
     assert Registration(instance_id="i", role="router", url="http://h:1", model="m").check()
+
+
+def test_frames_round_trip_and_reject_garbage():
+    import socket
+
+    import pytest
+
+    from ascendserve.protocol import frames
+
+    a, b = socket.socketpair()
+    with a, b:
+        frames.send_frame(a, {"type": "READ", "request_id": "r", "blocks": [1, 2]}, b"x" * 10)
+        header = frames.read_frame(b, max_payload=100)
+        assert header == {"type": "READ", "request_id": "r", "blocks": [1, 2], "payload": 10}
+        assert frames.recv_exact(b, 10) == b"x" * 10
+        a.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        with pytest.raises(frames.FrameError, match="bad magic"):
+            frames.read_frame(b, 100)
+    for prefix, body, needle in [
+        (frames.PREFIX.pack(frames.MAGIC, 3), b"\x93\x01\x02\x03", "must be a map"),
+        (frames.PREFIX.pack(frames.MAGIC, 2), b"\xc1\xc1", "undecodable"),
+        (frames.PREFIX.pack(frames.MAGIC, 1), msgspec.msgpack.encode({"type": "X", "payload": -1}), "bad payload"),
+    ]:
+        with pytest.raises(frames.FrameError, match=needle):
+            frames.decode_header(prefix, body)
+    with pytest.raises(frames.FrameError, match="exceeds"):
+        frames.header_length(frames.PREFIX.pack(frames.MAGIC, frames.MAX_HEADER + 1))
+    a, b = socket.socketpair()
+    with a, b:
+        frames.send_frame(a, {"type": "BIG"}, b"y" * 101)
+        with pytest.raises(frames.FrameError, match="exceeds 100"):
+            frames.read_frame(b, 100)

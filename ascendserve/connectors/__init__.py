@@ -1,0 +1,1 @@
+"""vLLM connectors: KV (prefill -> decode) and, later, EC (encoder -> prefill/pd)."""

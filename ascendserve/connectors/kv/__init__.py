@@ -1,0 +1,1 @@
+"""KV connectors between prefill and decode (vLLM KVConnectorBase_V1 implementations)."""

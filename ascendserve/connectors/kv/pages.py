@@ -1,0 +1,82 @@
+"""vLLM's registered KV caches seen as uniform pages, with bulk gather/scatter.
+
+On vLLM's CPU backend each attention layer is one tensor
+[num_blocks, kv_heads, block_size, 2 * head_size] (K and V packed), so a
+block is one contiguous page per layer; CUDA/NPU backends that keep K and V
+apart register them as separate tensors and are pages the same way. Pages
+are opaque bytes: producer and consumer must agree on `layout()`, which the
+side channel checks at the handshake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+from ascendserve.ops import gather_pages, scatter_pages
+
+
+class PagedKV:
+    def __init__(self, kv_caches: dict[str, torch.Tensor]):
+        seen: set[int] = set()
+        self.names: list[str] = []
+        self.layers: list[torch.Tensor] = []
+        for name in sorted(kv_caches):
+            tensors = kv_caches[name] if isinstance(kv_caches[name], (list, tuple)) else [kv_caches[name]]
+            for j, t in enumerate(tensors):
+                if t.data_ptr() in seen:  # layers that share one cache
+                    continue
+                seen.add(t.data_ptr())
+                self.names.append(f"{name}#{j}")
+                self.layers.append(t)
+        if not self.layers:
+            raise ValueError("no KV cache tensors registered")
+        shapes = {tuple(t.shape[1:]) for t in self.layers}
+        dtypes = {t.dtype for t in self.layers}
+        blocks = {t.shape[0] for t in self.layers}
+        if len(shapes) != 1 or len(dtypes) != 1 or len(blocks) != 1:
+            raise ValueError(f"KV layers differ in page shape/dtype/blocks: {shapes} {dtypes} {blocks}")
+        self.page_shape = shapes.pop()
+        self.dtype = dtypes.pop()
+        self.num_blocks = blocks.pop()
+        self.page_bytes = math.prod(self.page_shape) * self.layers[0].element_size()
+        self._views: list[np.ndarray] | None = None
+
+    def layout(self) -> dict:
+        """What both sides must share for pages to mean the same thing."""
+        return {"layers": len(self.layers), "page_shape": list(self.page_shape), "dtype": str(self.dtype),
+                "names": hashlib.sha256("\n".join(self.names).encode()).hexdigest()[:16]}
+
+    def nbytes(self, n_blocks: int) -> int:
+        return len(self.layers) * n_blocks * self.page_bytes
+
+    def _bytes_views(self) -> list[np.ndarray]:
+        if self._views is None:
+            self._views = [t.view(torch.uint8).numpy().reshape(self.num_blocks, self.page_bytes)
+                           for t in self.layers]
+        return self._views
+
+    def _index(self, block_ids: list[int]) -> np.ndarray:
+        idx = np.asarray(block_ids, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_blocks):
+            raise ValueError(f"block id out of range 0..{self.num_blocks - 1}")
+        return idx
+
+    def staging(self, n_blocks: int) -> np.ndarray:
+        return np.empty((len(self.layers), n_blocks, self.page_bytes), dtype=np.uint8)
+
+    def gather(self, block_ids: list[int]) -> memoryview:
+        out = self.staging(len(block_ids))
+        gather_pages(self._bytes_views(), self._index(block_ids), out)
+        return memoryview(out.reshape(-1))
+
+    def scatter(self, block_ids: list[int], data: np.ndarray) -> None:
+        """`data`: a staging buffer from `staging()` filled with the remote pages."""
+        scatter_pages(self._bytes_views(), self._index(block_ids), data)
+
+    @staticmethod
+    def as_bytes(staging: np.ndarray) -> memoryview:
+        return memoryview(staging.reshape(-1))

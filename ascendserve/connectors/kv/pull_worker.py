@@ -1,0 +1,167 @@
+"""Pull mode, worker side (each vLLM worker process, one per TP rank).
+
+P: serves the pages of held requests on its side channel (port + TP rank)
+   and reports a request as finished sending when D frees it or its
+   deadline passes; a read in progress postpones the deadline.
+D: pulls each planned request in a background thread into the blocks the
+   scheduler reserved (untouched by the model until the request is
+   re-admitted), frees P, and reports it received; any failure is reported
+   as received + failed, so vLLM recomputes or fails it by policy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import structlog
+
+from ascendserve.connectors.kv.pages import PagedKV
+from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings, RecvPlan
+from ascendserve.connectors.transport.base import TransferError
+from ascendserve.connectors.transport.tcp import TcpClient, TcpServer
+from ascendserve.connectors.transport.threads import unpin_current_thread
+
+log = structlog.get_logger("ascendserve.kv.pull")
+HOLD_WAIT_S = 30.0
+
+
+@dataclass
+class _Held:
+    blocks: frozenset[int]
+    deadline: float
+    readers: int = 0
+    freed: bool = False
+
+
+class PullWorker:
+    def __init__(self, settings: PullSettings, token: str, tp_rank: int, producer: bool,
+                 hold_wait_s: float = HOLD_WAIT_S):
+        self.settings, self.token, self.tp_rank, self.producer = settings, token, tp_rank, producer
+        self.hold_wait_s = hold_wait_s
+        self.kv: PagedKV | None = None
+        self.server: TcpServer | None = None
+        self.client: TcpClient | None = None
+        self._lock = threading.Lock()
+        self._registered = threading.Condition(self._lock)
+        self._held: dict[str, _Held] = {}
+        self._sent: set[str] = set()
+        self._recvd: set[str] = set()
+        self._failed: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-pull",
+                                        initializer=unpin_current_thread)
+        self.bytes_moved = 0
+
+    # ---- set-up ----------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.kv = PagedKV(kv_caches)
+        self.client = TcpClient(self.token, self.kv.layout())
+        if self.producer:
+            port = self.settings.port + self.tp_rank if self.settings.port else 0  # 0: any free port (tests)
+            self.server = TcpServer(self.settings.bind_host, port, self, self.token)
+            self.server.start()
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.client is not None:
+            self.client.close()
+
+    # ---- PageSource (producer, called from side-channel threads) ---------
+    def check_hello(self, hello: dict) -> str | None:
+        mine = self.kv.layout()
+        if hello.get("layout") != mine:
+            return f"KV layout mismatch: consumer {hello.get('layout')} vs producer {mine}"
+        return None
+
+    def read(self, request_id: str, block_ids: list[int]) -> memoryview:
+        with self._lock:
+            # P answers the HTTP request before its next engine step registers the
+            # hold, so a fast D can ask first: wait a little for it.
+            self._registered.wait_for(lambda: request_id in self._held, timeout=self.hold_wait_s)
+            held = self._held.get(request_id)
+            if held is None:
+                raise KeyError(f"request {request_id} is not held here (unknown or expired; "
+                               f"holding {len(self._held)} requests)")
+            if held.freed:
+                raise KeyError(f"request {request_id} was already freed")
+            if not set(block_ids) <= held.blocks:
+                raise ValueError(f"request {request_id} does not hold blocks {sorted(set(block_ids) - held.blocks)}")
+            held.readers += 1
+        try:
+            data = self.kv.gather(block_ids)
+        finally:
+            with self._lock:
+                held.readers -= 1
+                held.deadline = max(held.deadline, time.monotonic() + 5.0)
+        self.bytes_moved += len(data)
+        return data
+
+    def free(self, request_id: str) -> None:
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is not None and not held.freed:
+                held.freed = True
+                held.deadline = 0.0  # reported at the next step, once no read is in flight
+
+    # ---- per step --------------------------------------------------------
+    def start_load_kv(self, meta: PullMetadata) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for request_id, (blocks, ttl_s) in meta.send.items():
+                self._held[request_id] = _Held(frozenset(blocks), now + ttl_s)
+                log.debug("KV held for decode", request=request_id, blocks=len(blocks), ttl_s=ttl_s)
+            if meta.send:
+                self._registered.notify_all()
+        for plan in meta.recv:
+            log.debug("KV pull planned", request=plan.request_id)
+            self._pool.submit(self._pull, plan)
+        for host, port, remote_id in meta.free_remote:
+            self._pool.submit(self.client.free, host, port + self.tp_rank, remote_id)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        now = time.monotonic()
+        with self._lock:
+            for request_id, held in list(self._held.items()):
+                if held.readers == 0 and held.deadline <= now:
+                    if not held.freed:
+                        log.warning("KV held for decode past its deadline; freeing", request=request_id)
+                    del self._held[request_id]
+                    self._sent.add(request_id)
+            sent, recvd, failed = self._sent, self._recvd, self._failed
+            self._sent, self._recvd, self._failed = set(), set(), set()
+        return sent, recvd, failed
+
+    def held_count(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    # ---- consumer --------------------------------------------------------
+    def _pull(self, plan: RecvPlan) -> None:
+        port = plan.port + self.tp_rank
+        ok = False
+        started = time.monotonic()
+        log.debug("KV pull starting", request=plan.request_id, peer=f"{plan.host}:{port}", blocks=len(plan.local_blocks))
+        try:
+            if plan.local_blocks:
+                if len(plan.remote_blocks) != len(plan.local_blocks):
+                    raise TransferError(f"{len(plan.local_blocks)} local blocks for {len(plan.remote_blocks)} remote")
+                staging = self.kv.staging(len(plan.local_blocks))
+                self.client.read(plan.host, port, plan.remote_request_id, plan.remote_blocks,
+                                 PagedKV.as_bytes(staging))
+                self.kv.scatter(plan.local_blocks, staging)
+                self.bytes_moved += self.kv.nbytes(len(plan.local_blocks))
+            ok = True
+            log.debug("KV pulled", request=plan.request_id, blocks=len(plan.local_blocks),
+                      ms=round((time.monotonic() - started) * 1000, 2))
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the scheduler
+            log.warning("KV pull failed", request=plan.request_id, peer=f"{plan.host}:{port}", error=str(exc))
+        finally:
+            self.client.free(plan.host, port, plan.remote_request_id)
+            with self._lock:
+                self._recvd.add(plan.request_id)
+                if not ok:
+                    self._failed.add(plan.request_id)

@@ -1,0 +1,1 @@
+"""Byte movers between a KV/EC producer and its consumers."""
