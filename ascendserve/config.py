@@ -96,7 +96,7 @@ class ProxyConfig(_Section):
     encoder_fallback: Literal["local", "fail"] = "local"
     prefix_aware: bool = False
     prefix_chars: PositiveInt = 1024
-    prefix_slack_tokens: NonNegative = 4096.0
+    prefix_slack_tokens: NonNegative = 0.0  # how much busier the prefix-affine instance may be
     max_retries: Annotated[int, Meta(ge=0, le=20)] = 3
     retry_backoff_s: NonNegative = 0.05
     request_timeout_s: Seconds = 600.0

@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, default=6)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--slack", type=float, default=None, help="proxy.prefix_slack_tokens (default: the proxy's)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -84,9 +85,13 @@ def main() -> None:
         pds = [ascendserve("pd", model, tmp, name=f"pd{i}") for i in range(2)]
         start_all(*pds)
         targets = [f"127.0.0.1:{p.port}" for p in pds]
+        extra = []
+        if args.slack is not None:
+            (tmp / "slack.toml").write_text(f"[proxy]\nprefix_slack_tokens = {args.slack}\n")
+            extra = ["--config", str(tmp / "slack.toml")]
         proxies = {"load only": control("proxy", tmp, "--pd", *targets, "--log-level", "warning", name="px-load"),
                    "prefix-aware": control("proxy", tmp, "--pd", *targets, "--prefix-aware", "--log-level", "warning",
-                                           name="px-prefix")}
+                                           *extra, name="px-prefix")}
         results = {}
         try:
             start_all(*proxies.values())
@@ -104,7 +109,8 @@ def main() -> None:
             for proc in (*proxies.values(), *pds):
                 proc.stop()
     base = results["load only"]
-    table(f"prefix-aware routing, 2 pd instances, {args.prefixes} shared ~1.3k-token prefixes, "
+    table(f"prefix-aware routing (slack {args.slack if args.slack is not None else 'default'} tokens), "
+          f"2 pd instances, {args.prefixes} shared ~1.3k-token prefixes, "
           f"{args.requests} requests, concurrency {args.concurrency}",
           ["routing", "prefix-cache hit rate", "TTFT mean ms", "TTFT p50 ms", "x load-only TTFT"],
           [[n, r["hit_rate"], r["ttft_mean_ms"], r["ttft_p50_ms"], r["ttft_mean_ms"] / base["ttft_mean_ms"]]
