@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from ascendserve.launch.children import kill_group
+
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 240.0
@@ -94,10 +96,8 @@ class Proc:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        exited = self.popen.poll() is not None
+        kill_group(self.popen.pid, grace_s=5.0 if exited else 0.0)
         self.popen.wait(5)
         self._log.close()
 

@@ -7,6 +7,10 @@ it on every path (clean stop, error, interrupted start-up).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import psutil
 
 
@@ -39,3 +43,21 @@ def reap_children(timeout: float = 10.0) -> list[int]:
             pass
     psutil.wait_procs(alive, timeout=timeout)
     return [c.pid for c in alive]
+
+
+def kill_group(pgid: int, grace_s: float = 0.0) -> None:
+    """SIGKILL what is left of process group `pgid`, after up to `grace_s` seconds
+    for it to go by itself: multiprocessing's resource tracker (a member of the
+    group) unlinks the shared memory its parent leaked just after the parent
+    exits, and killing it early leaves the segments in /dev/shm for good."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

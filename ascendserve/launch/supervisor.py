@@ -9,7 +9,6 @@ a minute.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -18,8 +17,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from ascendserve.launch.children import kill_group
+
 log = structlog.get_logger("ascendserve.supervisor")
 STABLE_AFTER_S = 60.0
+GROUP_GRACE_S = 5.0
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Supervisor:
                 if now - child.started_at > STABLE_AFTER_S:
                     child.backoff_s = 1.0
                 continue
-            _kill_group(child.popen.pid)  # whatever it left behind
+            kill_group(child.popen.pid, GROUP_GRACE_S)  # whatever it left behind
             child.restarts += 1
             child.next_start = now + child.backoff_s
             log.warning("child exited; restarting", child=child.name, exit_code=code,
@@ -85,16 +87,10 @@ class Supervisor:
                 child.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("child ignored SIGTERM; killing", child=child.name)
-            _kill_group(child.popen.pid)
+            kill_group(child.popen.pid, GROUP_GRACE_S if child.popen.poll() is not None else 0.0)
             try:
                 child.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
         log.info("all children stopped")
 
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
