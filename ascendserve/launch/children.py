@@ -45,18 +45,43 @@ def reap_children(timeout: float = 10.0) -> list[int]:
     return [c.pid for c in alive]
 
 
-def kill_group(pgid: int, grace_s: float = 0.0) -> None:
-    """SIGKILL what is left of process group `pgid`, after up to `grace_s` seconds
-    for it to go by itself: multiprocessing's resource tracker (a member of the
-    group) unlinks the shared memory its parent leaked just after the parent
-    exits, and killing it early leaves the segments in /dev/shm for good."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+def _members(pgid: int) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                out.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def _wait_gone(pgid: int, until: float) -> bool:
+    while time.monotonic() < until:
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
-            return
+            return True
         time.sleep(0.05)
+    return False
+
+
+def kill_group(pgid: int, grace_s: float = 0.0) -> None:
+    """Make sure nothing of process group `pgid` survives, without leaking
+    shared memory. Members get `grace_s` seconds to exit by themselves; then
+    everything but multiprocessing's resource tracker is SIGKILLed, and the
+    tracker gets `grace_s` more to unlink the segments the others leaked (it
+    does so once no process holds its pipe) before it is killed too."""
+    if _wait_gone(pgid, time.monotonic() + grace_s):
+        return
+    for proc in _members(pgid):
+        if not _is_resource_tracker(proc):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+    if _wait_gone(pgid, time.monotonic() + grace_s):
+        return
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
