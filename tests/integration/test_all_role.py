@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -36,7 +37,12 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("psm_*")}
+
+
 def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
+    shm_before = shm_segments()
     port = free_port()
     out = open(tmp_path / "all.out", "w")
     err = open(tmp_path / "all.err", "w")
@@ -70,6 +76,8 @@ def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
         assert proc.wait(90) == 0
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everything), 30,
                  "children outlived --role all")
+        # vLLM's shared-memory queues, the crashed engine's included, are unlinked.
+        wait_for(lambda: not (shm_segments() - shm_before), 15, f"leaked: {shm_segments() - shm_before}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
