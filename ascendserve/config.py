@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import tomllib
 import typing
@@ -267,19 +268,13 @@ def _load_file(path: str) -> dict:
     return _check_tree(raw, Config, "", f"from {path}")
 
 
-def _split_words(value: str) -> list[str]:
-    import shlex
-
-    return shlex.split(value)
-
-
 def _from_strings(pairs: list[tuple[Flag, Any, str]]) -> dict:
     """Env and flag values arrive as strings (or lists/bools); convert loosely."""
     tree: dict = {}
     for flag, value, source in pairs:
         tp = _leaf_type(flag.key)
         if flag.repeatable and isinstance(value, str):
-            value = _split_words(value)
+            value = shlex.split(value)
         if flag.many and isinstance(value, str):
             value = value.replace(",", " ").split()
         _set(tree, flag.key, _check_leaf(flag.key, value, tp, source, strict=False))

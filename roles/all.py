@@ -11,7 +11,6 @@ import secrets
 import signal
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -101,5 +100,4 @@ def run(config: Config) -> int:
         supervisor.run()
     finally:
         supervisor.stop_all()
-        time.sleep(0.1)
     return 0

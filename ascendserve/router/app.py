@@ -38,39 +38,24 @@ ADMIN_TYPES = ("prefill", "decode", "encoder", "pd")
 async def _serve(kind: str, request: Request, state: State) -> Response | Stream:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     started = time.monotonic()
-    route = "chat" if kind == "chat" else "completions"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         try:
             body = parse(await request.body(), kind)
             reply = await state.pipeline.handle(kind, body, request_id)
         except APIError as exc:
-            state.metrics.requests.labels(route, str(exc.status)).inc()
+            state.metrics.requests.labels(kind, str(exc.status)).inc()
             state.metrics.errors.labels("client" if exc.status < 500 else "backend").inc()
-            log.info("request", route=route, status=exc.status, error=exc.message[:200],
+            log.info("request", route=kind, status=exc.status, error=exc.message[:200],
                      duration_ms=_ms(started))
             raise
     headers = {"x-request-id": request_id}
-    state.metrics.requests.labels(route, "200").inc()
+    state.metrics.requests.labels(kind, "200").inc()
     if reply.stream is None:
-        log.info("request", request_id=request_id, route=route, status=200, backend=reply.backend,
+        log.info("request", request_id=request_id, route=kind, status=200, backend=reply.backend,
                  duration_ms=_ms(started))
         return Response(msgspec.json.encode(reply.body), media_type="application/json", headers=headers)
-    return Stream(_logged(reply.stream, request_id, route, reply.backend, started),
-                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
-
-
-async def _logged(stream, request_id: str, route: str, backend: str, started: float):
-    outcome = "ok"
-    try:
-        async for chunk in stream:
-            yield chunk
-    except BaseException:
-        outcome = "client_disconnected"
-        raise
-    finally:
-        await stream.aclose()
-        log.info("request", request_id=request_id, route=route, status=200, stream=True, backend=backend,
-                 outcome=outcome, duration_ms=_ms(started))
+    # The stream writes its own canonical line when it ends (pipeline._relay).
+    return Stream(reply.stream, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
 
 def _ms(started: float) -> float:

@@ -115,9 +115,22 @@ class Pipeline:
                 self.metrics.retries.labels(role).inc()
                 log.warning("backend hop failed", role=role, url=inst.url, status=exc.status,
                             detail=exc.detail[:200], attempt=n + 1)
-                await asyncio.sleep(self.settings.retry_backoff_s * (2 ** n))
+                if n < self.settings.max_retries:
+                    await asyncio.sleep(self.settings.retry_backoff_s * (2 ** n))
         detail = f"{role} unavailable" + (f": {last.detail[:200]}" if last else ": no active instance")
         raise APIError(502 if last else 503, detail, type="service_unavailable", code="backend_unavailable")
+
+    async def _post_leased(self, pool: Pool, inst: Instance, path: str, body: dict, headers: dict,
+                           cost: int) -> tuple[dict, Instance]:
+        """One JSON hop, holding `cost` tokens of load on `inst` while it runs."""
+        lease = pool.lease(inst, cost)
+        ok = False
+        try:
+            result = await self.upstream.post_json(inst.url + path, body, headers)
+            ok = True
+            return result, inst
+        finally:
+            lease.release(ok=ok)
 
     # ---- encode ------------------------------------------------------------
     async def _encode(self, body: dict, headers: dict) -> None:
@@ -141,16 +154,8 @@ class Pipeline:
         e_body.pop("max_completion_tokens", None)
         e_body.pop("stream_options", None)
         cost = encoder_tokens(items)
-
-        async def attempt(pool: Pool, inst: Instance):
-            lease = pool.lease(inst, cost)
-            try:
-                await self.upstream.post_json(inst.url + PATHS["chat"], e_body, headers)
-                lease.release()
-            finally:
-                lease.release(ok=False)
-
-        await self._with_retries("encoder", attempt)
+        await self._with_retries(
+            "encoder", lambda pool, inst: self._post_leased(pool, inst, PATHS["chat"], e_body, headers, cost))
 
     # ---- prefill (pull) -----------------------------------------------------
     async def _prefill_then_decode(self, kind: str, body: dict, headers: dict, tokens: int) -> Reply:
@@ -159,23 +164,13 @@ class Pipeline:
         p_body.pop("stream_options", None)
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
-        holds: list[Lease] = []
-
-        async def attempt(pool: Pool, inst: Instance):
-            lease = pool.lease(inst, tokens)
-            try:
-                result = await self.upstream.post_json(inst.url + PATHS[kind], p_body, headers)
-                lease.release()
-            finally:
-                lease.release(ok=False)
-            holds.append(pool.lease(inst, 0, kv=tokens))  # KV held for D
-            return result
-
-        p_reply = await self._with_retries("prefill", attempt)
+        p_reply, p_inst = await self._with_retries(
+            "prefill", lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], p_body, headers, tokens))
+        hold = self.pools["prefill"].lease(p_inst, 0, kv=tokens)  # P keeps the KV until D has it
         d_body = dict(body)
         if p_reply.get("kv_transfer_params"):
             d_body["kv_transfer_params"] = p_reply["kv_transfer_params"]
-        return await self._decode_holding(kind, d_body, headers, tokens, holds[-1])
+        return await self._decode_holding(kind, d_body, headers, tokens, hold)
 
     async def _decode_holding(self, kind: str, d_body: dict, headers: dict, tokens: int, hold: Lease) -> Reply:
         """Decode while P's KV hold stays on P's load until D's first byte."""
@@ -213,18 +208,10 @@ class Pipeline:
         started = time.monotonic()
         key = prefix_key(body, self.settings.prefix_chars) if self.settings.prefix_aware else None
         if body.get("stream") is not True:
-            async def attempt_json(pool: Pool, inst: Instance):
-                lease = pool.lease(inst, cost)
-                try:
-                    result = await self.upstream.post_json(inst.url + PATHS[kind], body, headers)
-                    lease.release()
-                    return result, inst.url
-                finally:
-                    lease.release(ok=False)
-
-            result, url = await self._with_retries(role, attempt_json, key)
+            result, inst = await self._with_retries(
+                role, lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], body, headers, cost), key)
             self.metrics.observe_done(started)
-            return Reply(body=result, backend=url)
+            return Reply(body=result, backend=inst.url)
 
         async def attempt_stream(pool: Pool, inst: Instance):
             lease = pool.lease(inst, cost)
@@ -249,16 +236,19 @@ class Pipeline:
         if on_first_byte:
             on_first_byte()
         self.metrics.ttft.observe(time.monotonic() - started)
-        return Reply(stream=self._relay(lease, response, first, started), backend=lease.instance.url)
+        return Reply(stream=self._relay(lease, response, first, started, kind, headers["x-request-id"]),
+                     backend=lease.instance.url)
 
-    async def _relay(self, lease: Lease, response, first: bytes, started: float):
+    async def _relay(self, lease: Lease, response, first: bytes, started: float, kind: str, request_id: str):
         ok = False
+        outcome = "backend_failed"
         try:
             yield first
             async for chunk in response.content.iter_any():
                 yield chunk
-            ok = True
+            ok, outcome = True, "ok"
         except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client_disconnected"
             self.metrics.cancelled.inc()
             raise
         except Exception as exc:  # the backend broke mid-stream
@@ -270,6 +260,9 @@ class Pipeline:
             lease.release(ok=ok)
             if ok:
                 self.metrics.observe_done(started)
+            log.info("request", request_id=request_id, route=kind, status=200, stream=True,
+                     backend=lease.instance.url, outcome=outcome,
+                     duration_ms=round((time.monotonic() - started) * 1000, 2))
 
 
 async def _first_chunk(response, url: str) -> bytes:

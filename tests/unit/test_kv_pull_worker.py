@@ -1,9 +1,7 @@
 """PullWorker producer and consumer over a real loopback side channel, without vLLM."""
 
-import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 

@@ -71,7 +71,7 @@ class PagedKV:
     def gather(self, block_ids: list[int]) -> memoryview:
         out = self.staging(len(block_ids))
         gather_pages(self._bytes_views(), self._index(block_ids), out)
-        return memoryview(out.reshape(-1))
+        return self.as_bytes(out)
 
     def scatter(self, block_ids: list[int], data: np.ndarray) -> None:
         """`data`: a staging buffer from `staging()` filled with the remote pages."""

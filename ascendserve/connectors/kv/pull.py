@@ -70,10 +70,6 @@ class AscendPullConnector(KVConnectorBase_V1):
         sent, recvd, failed = self._worker.get_transfer_results()
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd, failed_recving=failed)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sent, recvd, _ = self._worker.get_transfer_results()
-        return sent or None, recvd or None
-
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
