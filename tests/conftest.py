@@ -23,3 +23,15 @@ def text_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def vl_model(tmp_path_factory) -> Path:
     return _build("vl", tmp_path_factory.mktemp("models") / "tiny-vl")
+
+
+@pytest.fixture(scope="session")
+def text_oracle(text_model, tmp_path_factory):
+    """One plain vLLM instance on the tiny text model: the correctness oracle
+    every text topology is compared with (shared: each instance costs ~3 GB)."""
+    from tests.procs import plain_vllm, start_all
+
+    oracle = plain_vllm(text_model, tmp_path_factory.mktemp("oracle-logs"))
+    start_all(oracle)
+    yield oracle
+    oracle.stop()

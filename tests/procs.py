@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -54,7 +55,7 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Proc":
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "ab")  # a restart appends
         self.popen = subprocess.Popen(
             self.argv,
             stdout=self._log,
@@ -145,3 +146,29 @@ def start_all(*procs: Proc) -> None:
         for p in procs:
             p.stop(timeout=5)
         raise
+
+
+_KV_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
+
+
+def kv_usage(proc: Proc) -> float:
+    """vLLM's KV-cache usage gauge of an engine instance (0.0 when idle)."""
+    return float(_KV_USAGE.search(httpx.get(proc.url + "/metrics", timeout=10).text).group(1))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what} (after {timeout:.0f} s)")
+
+
+def completion_ids(url: str, model: str, prompt: str, max_tokens: int = 16, timeout: float = 300, **extra) -> list[int]:
+    """Greedy token ids of one completion; asserts a 200."""
+    r = httpx.post(url + "/v1/completions", timeout=timeout, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+        **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]

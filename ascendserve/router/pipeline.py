@@ -32,6 +32,7 @@ import msgspec
 import structlog
 
 from ascendserve.config import ProxyConfig
+from ascendserve.connectors.transport.tcp import free_remote
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
                                          only_part, prefix_key)
@@ -67,6 +68,8 @@ class Pipeline:
         self.on_unreachable = on_unreachable
         self.metaserver_url = metaserver_url.rstrip("/")
         self.metaserver_headers = {"authorization": f"Bearer {cluster_token}"} if cluster_token else {}
+        self.cluster_token = cluster_token
+        self._frees: set[asyncio.Future] = set()
 
     # ---- entry -------------------------------------------------------------
     async def handle(self, kind: str, body: dict, request_id: str) -> Reply:
@@ -176,9 +179,25 @@ class Pipeline:
         """Decode while P's KV hold stays on P's load until D's first byte."""
         try:
             return await self._decode(kind, "decode", d_body, headers, tokens, on_first_byte=hold.release)
+        except BaseException:  # D failed or the client went away: P need not wait for its deadline
+            self._free_prefill_kv(d_body.get("kv_transfer_params"))
+            raise
         finally:
             if d_body.get("stream") is not True:
                 hold.release()
+
+    def _free_prefill_kv(self, params: dict | None) -> None:
+        """Tell P (our pull connector's side channel) to release a hold at once; best effort."""
+        if not self.cluster_token or not isinstance(params, dict):
+            return
+        host, port, remote_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+        if not (isinstance(host, str) and isinstance(port, int) and isinstance(remote_id, str)):
+            return
+        ranks = params.get("remote_ptp_size") if isinstance(params.get("remote_ptp_size"), int) else 1
+        future = asyncio.get_running_loop().run_in_executor(
+            None, free_remote, self.cluster_token, host, port, remote_id, max(1, ranks))
+        self._frees.add(future)
+        future.add_done_callback(self._frees.discard)
 
     # ---- push ----------------------------------------------------------------
     async def _push(self, kind: str, body: dict, headers: dict, tokens: int, request_id: str) -> Reply:

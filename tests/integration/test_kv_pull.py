@@ -9,61 +9,36 @@ D frees them, and the side channel's refusals.
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
-import time
 
 import httpx
 import pytest
 
-from tests.procs import ascendserve, control, plain_vllm, start_all
+from tests.procs import ascendserve, completion_ids, control, kv_usage, start_all, wait_for
 
-# Work in progress (the connectors issue): on this 2-core CI machine the side
-# channel's threads still starve under load (32 concurrent requests: reads time
-# out, holds register late), so the module is deselected by default. Run it
-# with `bash scripts/test.sh -m wip tests/integration/test_kv_pull.py`.
-pytestmark = [pytest.mark.integration, pytest.mark.wip]
+pytestmark = pytest.mark.integration
 TOKEN = "kv-test-token"
 MAX_TOKENS = 16
-_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
-
-
-def kv_usage(proc) -> float:
-    return float(_USAGE.search(httpx.get(proc.url + "/metrics", timeout=10).text).group(1))
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(what)
 
 
 def ids(url: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS, **extra) -> list[int]:
-    r = httpx.post(url + "/v1/completions", timeout=300, json={
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
-        **extra})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return completion_ids(url, model, prompt, max_tokens, **extra)
 
 
 @pytest.fixture(scope="module")
-def pull_cluster(text_model, tmp_path_factory):
+def pull_cluster(text_model, text_oracle, tmp_path_factory):
     logs = tmp_path_factory.mktemp("kv-pull-logs")
     common = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
-    oracle = plain_vllm(text_model, logs)
     prefill = ascendserve("prefill", text_model, logs, *common, "--kv-ttl", "120", "--log-level", "debug")
     decode = ascendserve("decode", text_model, logs, *common, "--log-level", "debug")
-    procs = [oracle, prefill, decode]
+    procs = [prefill, decode]
     try:
         start_all(*procs)
         proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}", "--decode", f"127.0.0.1:{decode.port}")
         procs.append(proxy)
         start_all(proxy)
         wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
-        yield {"oracle": oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model)}
+        yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model)}
     finally:
         for p in procs:
             p.stop()
@@ -129,7 +104,7 @@ def test_prefill_holds_kv_until_decode_frees_it(pull_cluster):
     assert kv_usage(c["prefill"]) > 0.0
     from ascendserve.connectors.transport.tcp import TcpClient
 
-    TcpClient(TOKEN, {}).free("127.0.0.1", params["remote_port"], params["remote_request_id"])
+    TcpClient(TOKEN, None).free("127.0.0.1", params["remote_port"], params["remote_request_id"])
     wait_for(lambda: kv_usage(c["prefill"]) == 0.0, 60, "prefill kept the KV after it was freed")
 
 

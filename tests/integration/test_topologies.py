@@ -47,18 +47,18 @@ def chat_ids(url: str, model: str, messages: list, max_tokens: int) -> list[int]
 
 
 @pytest.fixture(scope="module")
-def text_cluster(text_model, tmp_path_factory):
+def text_cluster(text_model, text_oracle, tmp_path_factory):
     logs = tmp_path_factory.mktemp("text-logs")
     kv = tmp_path_factory.mktemp("kv-store")
     meta = control("metaserver", logs)
     start_all(meta)
-    oracle = plain_vllm(text_model, logs)
+    oracle = text_oracle
     prefill = ascendserve("prefill", text_model, logs, "--kv-path", str(kv))
     decode = ascendserve("decode", text_model, logs, "--kv-path", str(kv))
     pd = ascendserve("pd", text_model, logs, "--metaserver-url", meta.url)  # found through the registry
-    procs = [meta, oracle, prefill, decode, pd]
+    procs = [meta, prefill, decode, pd]
     try:
-        start_all(oracle, prefill, decode, pd)
+        start_all(prefill, decode, pd)
         proxy_1p1d = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}",
                              "--decode", f"127.0.0.1:{decode.port}", name="proxy-1p1d")
         proxy_mono = control("proxy", logs, "--metaserver-url", meta.url, name="proxy-mono")

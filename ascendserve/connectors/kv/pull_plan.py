@@ -49,6 +49,9 @@ class PullMetadata(KVConnectorMetadata):
     recv: list[RecvPlan] = field(default_factory=list)
     send: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # P: request -> (blocks, ttl_s)
     free_remote: list[tuple[str, int, str]] = field(default_factory=list)  # D: (host, port, remote id)
+    # No tokens scheduled this step: the engine only polls for transfers, so the
+    # worker may wait a moment for one to finish instead of letting the engine spin.
+    idle: bool = False
 
 
 def _flat_blocks(remote) -> list[int]:
@@ -83,7 +86,8 @@ class PullPlanner:
                                    str(params["remote_request_id"])))
 
     def build_connector_meta(self, scheduler_output) -> PullMetadata:
-        meta = PullMetadata(self._recv, self._send, self._free)
+        meta = PullMetadata(self._recv, self._send, self._free,
+                            idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         self._recv, self._send, self._free = [], {}, []
         return meta
 

@@ -11,9 +11,9 @@ D: pulls each planned request in a background thread into the blocks the
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
@@ -26,6 +26,12 @@ from ascendserve.connectors.transport.threads import unpin_current_thread
 
 log = structlog.get_logger("ascendserve.kv.pull")
 HOLD_WAIT_S = 30.0
+TRANSFER_THREADS = 4
+# An idle engine step (nothing scheduled, only transfers pending) waits this
+# long for one to finish. Without it a prefill holding blocks, or a decode
+# waiting for them, spins its engine loop flat out; on a small CPU host that
+# spinning starved the transfer threads for minutes.
+IDLE_STEP_WAIT_S = 0.005
 
 
 @dataclass
@@ -46,12 +52,17 @@ class PullWorker:
         self.client: TcpClient | None = None
         self._lock = threading.Lock()
         self._registered = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)  # something to report
         self._held: dict[str, _Held] = {}
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._failed: set[str] = set()
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-pull",
-                                        initializer=unpin_current_thread)
+        # Transfer threads start with the worker, never on the engine's step path:
+        # starting a thread from a core-bound worker can wait seconds for a CPU.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle_step = False
+        self._pending = 0  # pulls queued or running
         self.bytes_moved = 0
 
     # ---- set-up ----------------------------------------------------------
@@ -62,13 +73,30 @@ class PullWorker:
             port = self.settings.port + self.tp_rank if self.settings.port else 0  # 0: any free port (tests)
             self.server = TcpServer(self.settings.bind_host, port, self, self.token)
             self.server.start()
+        for i in range(TRANSFER_THREADS):
+            t = threading.Thread(target=self._run_jobs, name=f"kv-pull-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._jobs.put(None)
+        deadline = time.monotonic() + 2.0
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         if self.client is not None:
             self.client.close()
+
+    def _run_jobs(self) -> None:
+        unpin_current_thread()
+        while (job := self._jobs.get()) is not None:
+            fn, *args = job
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - a job never kills its thread
+                log.warning("KV transfer job failed", job=getattr(fn, "__name__", str(fn)), error=str(exc))
 
     # ---- PageSource (producer, called from side-channel threads) ---------
     def check_hello(self, hello: dict) -> str | None:
@@ -106,31 +134,42 @@ class PullWorker:
             if held is not None and not held.freed:
                 held.freed = True
                 held.deadline = 0.0  # reported at the next step, once no read is in flight
+                self._changed.notify_all()
 
     # ---- per step --------------------------------------------------------
     def start_load_kv(self, meta: PullMetadata) -> None:
         now = time.monotonic()
+        self._idle_step = meta.idle
         with self._lock:
             for request_id, (blocks, ttl_s) in meta.send.items():
                 self._held[request_id] = _Held(frozenset(blocks), now + ttl_s)
                 log.debug("KV held for decode", request=request_id, blocks=len(blocks), ttl_s=ttl_s)
             if meta.send:
                 self._registered.notify_all()
+        with self._lock:
+            self._pending += len(meta.recv)
         for plan in meta.recv:
             log.debug("KV pull planned", request=plan.request_id)
-            self._pool.submit(self._pull, plan)
+            self._jobs.put((self._pull, plan))
         for host, port, remote_id in meta.free_remote:
-            self._pool.submit(self.client.free, host, port + self.tp_rank, remote_id)
+            self._jobs.put((self.client.free, host, port + self.tp_rank, remote_id))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for request_id, held in list(self._held.items()):
+            if held.readers == 0 and held.deadline <= now:
+                if not held.freed:
+                    log.warning("KV held for decode past its deadline; freeing", request=request_id)
+                del self._held[request_id]
+                self._sent.add(request_id)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        now = time.monotonic()
         with self._lock:
-            for request_id, held in list(self._held.items()):
-                if held.readers == 0 and held.deadline <= now:
-                    if not held.freed:
-                        log.warning("KV held for decode past its deadline; freeing", request=request_id)
-                    del self._held[request_id]
-                    self._sent.add(request_id)
+            self._expire()
+            if self._idle_step and not (self._sent or self._recvd) and (self._held or self._pending):
+                self._changed.wait(IDLE_STEP_WAIT_S)
+                self._expire()
+            self._idle_step = False
             sent, recvd, failed = self._sent, self._recvd, self._failed
             self._sent, self._recvd, self._failed = set(), set(), set()
         return sent, recvd, failed
@@ -162,6 +201,8 @@ class PullWorker:
         finally:
             self.client.free(plan.host, port, plan.remote_request_id)
             with self._lock:
+                self._pending -= 1
                 self._recvd.add(plan.request_id)
                 if not ok:
                     self._failed.add(plan.request_id)
+                self._changed.notify_all()

@@ -46,8 +46,8 @@ class TransportClient(ABC):
         """Fill `into` with the remote pages (exactly its length) or raise TransferError."""
 
     @abstractmethod
-    def free(self, host: str, port: int, request_id: str) -> None:
-        """Best effort: tell the producer to release `request_id` now."""
+    def free(self, host: str, port: int, request_id: str) -> bool:
+        """Best effort: tell the producer to release `request_id` now; True if it answered."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -3,6 +3,7 @@
     consumer -> HELLO {token, layout}          producer -> OK | ERR {reason}, close
     consumer -> READ {request_id, blocks}      producer -> DATA {payload: n} + n bytes | ERR
     consumer -> FREE {request_id}              producer -> OK
+A HELLO without a layout opens a control session that may only FREE.
 Every connection must start with a valid HELLO carrying the cluster token
 (compared in constant time) and the same KV layout; anything else is
 logged and the connection closed. The server keeps serving.
@@ -90,7 +91,10 @@ class TcpServer(TransportServer):
                 return self._reject(conn, peer, "expected HELLO with a token")
             if not hmac.compare_digest(hello["token"].encode(), self.token.encode()):
                 return self._reject(conn, peer, "invalid cluster token")
-            problem = self.source.check_hello(hello)
+            # A HELLO without a layout opens a control session: FREE only (e.g. a
+            # proxy releasing the KV of a request whose client went away).
+            can_read = "layout" in hello
+            problem = self.source.check_hello(hello) if can_read else None
             if problem:
                 return self._reject(conn, peer, problem)
             send_frame(conn, {"type": "OK"})
@@ -99,6 +103,8 @@ class TcpServer(TransportServer):
                 kind, request_id = msg["type"], msg.get("request_id")
                 if not isinstance(request_id, str):
                     return self._reject(conn, peer, f"{kind} without a request_id")
+                if kind == "READ" and not can_read:
+                    return self._reject(conn, peer, "READ on a control session (HELLO without a layout)")
                 if kind == "READ":
                     blocks = msg.get("blocks")
                     if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
@@ -126,7 +132,7 @@ class TcpServer(TransportServer):
 class TcpClient(TransportClient):
     """One cached connection per producer; each is used by one transfer at a time."""
 
-    def __init__(self, token: str, layout: dict, connect_timeout_s: float = 5.0, io_timeout_s: float = 60.0):
+    def __init__(self, token: str, layout: dict | None, connect_timeout_s: float = 5.0, io_timeout_s: float = 60.0):
         self.token, self.layout = token, layout
         self.connect_timeout_s, self.io_timeout_s = connect_timeout_s, io_timeout_s
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
@@ -141,7 +147,10 @@ class TcpClient(TransportClient):
             sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
             _tune(sock)
             sock.settimeout(self.io_timeout_s)
-            send_frame(sock, {"type": "HELLO", "token": self.token, "layout": self.layout})
+            hello = {"type": "HELLO", "token": self.token}
+            if self.layout is not None:
+                hello["layout"] = self.layout
+            send_frame(sock, hello)
             answer = read_frame(sock, 0)
         except (OSError, FrameError) as exc:
             raise TransferError(f"KV side channel {host}:{port} unreachable: {exc}") from None
@@ -172,17 +181,19 @@ class TcpClient(TransportClient):
             raise
         self._release(host, port, sock)
 
-    def free(self, host: str, port: int, request_id: str) -> None:
+    def free(self, host: str, port: int, request_id: str) -> bool:
         try:
             sock = self._connect(host, port)
         except TransferError:
-            return  # the producer's deadline frees the blocks
+            return False  # the producer's deadline frees the blocks
         try:
             send_frame(sock, {"type": "FREE", "request_id": request_id})
-            read_frame(sock, 0)
+            ok = read_frame(sock, 0)["type"] == "OK"
             self._release(host, port, sock)
+            return ok
         except (OSError, FrameError):
             sock.close()
+            return False
 
     def close(self) -> None:
         with self._lock:
@@ -190,3 +201,19 @@ class TcpClient(TransportClient):
                 for sock in pool:
                     sock.close()
             self._idle.clear()
+
+
+def free_remote(token: str, host: str, port: int, request_id: str, ranks: int = 1, timeout_s: float = 2.0) -> int:
+    """Release a held request on every TP rank of a producer (ports port..port+ranks-1)
+    over control sessions. Best effort and bounded; returns how many ranks answered."""
+    client = TcpClient(token, None, connect_timeout_s=timeout_s, io_timeout_s=timeout_s)
+    answered = 0
+    try:
+        for rank in range(ranks):
+            answered += client.free(host, port + rank, request_id)
+    finally:
+        client.close()
+    if answered < ranks:
+        log.debug("KV free not acknowledged by every rank", peer=f"{host}:{port}", request=request_id,
+                  answered=answered, ranks=ranks)
+    return answered
