@@ -58,9 +58,9 @@ class EngineConfig(_Section):
 
 
 class KVConfig(_Section):
-    connector: Literal["example", "pull"] = "example"
+    connector: Literal["example", "pull", "push"] = "example"
     path: str = ""  # example connector: shared storage directory
-    transport: Literal["tcp"] = "tcp"
+    transport: Literal["tcp", "shm", "mooncake"] = "tcp"
     port: Annotated[int, Meta(ge=0, le=65535)] = 0  # side channel; 0 = server.port + 1000 (TP rank r: + r)
     ttl_s: Annotated[float, Meta(gt=0.0)] = 120.0  # P frees blocks D never pulled after this
     load_failure_policy: Literal["recompute", "fail"] = "recompute"

@@ -111,11 +111,11 @@ def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | 
     return Proc(name, argv, port, log_dir / f"{name}.log", env or {})
 
 
-def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm") -> Proc:
+def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm", env: dict | None = None) -> Proc:
     port = free_port()
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
-    return Proc(name, argv, port, log_dir / f"{name}.log")
+    return Proc(name, argv, port, log_dir / f"{name}.log", env or {})
 
 
 def stub(role: str, log_dir: Path, *extra: str, name: str | None = None) -> Proc:

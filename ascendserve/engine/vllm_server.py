@@ -28,8 +28,8 @@ OWNED = {
     "mm-encoder-only": "--role encoder",
 }
 
-KV_CONNECTORS = {"example": "ExampleConnector", "pull": "AscendPullConnector"}
-KV_MODULES = {"pull": "ascendserve.connectors.kv.pull"}
+KV_CONNECTORS = {"example": "ExampleConnector", "pull": "AscendPullConnector", "push": "AscendPushConnector"}
+KV_MODULES = {"pull": "ascendserve.connectors.kv.pull", "push": "ascendserve.connectors.kv.push"}
 EC_CONNECTORS = {"example": "ECExampleConnector"}
 MIDDLEWARE = "ascendserve.engine.middleware.RequestContext"
 

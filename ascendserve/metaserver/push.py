@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ascendserve.protocol.kv_params import WILDCARD_HOSTS, PushPrefillRequest
+from ascendserve.protocol.kv_params import WILDCARD_HOSTS, PushPrefillRequest, base_request_id
 
 PostJSON = Callable[[str, dict, dict], Awaitable[dict]]
 
@@ -77,7 +77,10 @@ class PushDispatcher:
         return exp.ticket
 
     async def ask(self, ticket: str, req: PushPrefillRequest) -> dict:
-        exp = self._by_engine_id.get(req.request_id)
+        key = req.request_id
+        if key not in self._by_engine_id:  # D's id may carry vLLM's random suffix; P needs it as sent
+            key = base_request_id(key)
+        exp = self._by_engine_id.get(key)
         if exp is None or exp.deadline < self.clock():
             raise PushError(404, f"unknown or expired request id {req.request_id!r}")
         if not secrets.compare_digest(ticket, exp.ticket):
@@ -85,7 +88,7 @@ class PushDispatcher:
         if req.remote_host in WILDCARD_HOSTS:
             raise PushError(400, f"remote_host {req.remote_host!r} is a wildcard address; "
                                  "prefill must be able to reach decode")
-        exp.params[req.request_id] = _params(req)
+        exp.params[key] = _params(req)
         if all(i in exp.params for i in exp.engine_ids):
             if exp.task is None or (exp.task.done() and exp.task.exception() is not None):
                 exp.task = asyncio.ensure_future(self._dispatch(exp))

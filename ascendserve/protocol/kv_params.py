@@ -11,6 +11,7 @@ to the metaserver, which dispatches P once with those params.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -76,3 +77,12 @@ def engine_request_ids(kind: str, request_id: str, body: dict) -> list[str]:
     prompt = body.get("prompt")
     many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
     return [f"cmpl-{request_id}-{i}" for i in range(len(prompt) if many else 1)]
+
+
+_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def base_request_id(engine_request_id: str) -> str:
+    """vLLM (>= 0.11) appends '-<8 hex>' to the engine request id it derives from
+    x-request-id; the proxy and the metaserver know only the id without it."""
+    return _ENGINE_SUFFIX.sub("", engine_request_id)

@@ -32,7 +32,7 @@ import msgspec
 import structlog
 
 from ascendserve.config import ProxyConfig
-from ascendserve.connectors.transport.tcp import free_remote
+from ascendserve.connectors.transport.channel import free_remote
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
                                          only_part, prefix_key)

@@ -9,6 +9,8 @@ D frees them, and the side channel's refusals.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import socket
 
 import httpx
@@ -25,27 +27,52 @@ def ids(url: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS, **extra
     return completion_ids(url, model, prompt, max_tokens, **extra)
 
 
+TRANSPORTS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None, reason="mooncake-transfer-engine not installed"))]
+COMMON = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
+
+
 @pytest.fixture(scope="module")
-def pull_cluster(text_model, text_oracle, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("kv-pull-logs")
-    common = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
-    prefill = ascendserve("prefill", text_model, logs, *common, "--kv-ttl", "120", "--log-level", "debug")
-    decode = ascendserve("decode", text_model, logs, *common, "--log-level", "debug")
-    procs = [prefill, decode]
+def prefill(text_model, tmp_path_factory):
+    """One P for every transport: configured for mooncake, it offers tcp and shm too."""
+    transport = "mooncake" if importlib.util.find_spec("mooncake") else "tcp"
+    p = ascendserve("prefill", text_model, tmp_path_factory.mktemp("kv-pull-p"), *COMMON, "--kv-ttl", "120",
+                    "--kv-transport", transport)
+    start_all(p)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pull_cluster(request, prefill, text_model, text_oracle, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"kv-pull-{request.param}")
+    decode = ascendserve("decode", text_model, logs, *COMMON, "--kv-transport", request.param)
+    procs = [decode]
     try:
-        start_all(*procs)
-        proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}", "--decode", f"127.0.0.1:{decode.port}")
+        start_all(decode)
+        proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}", "--decode", f"127.0.0.1:{decode.port}",
+                        "--cluster-token", TOKEN)
         procs.append(proxy)
         start_all(proxy)
         wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
-        yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model)}
+        yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model),
+               "transport": request.param}
     finally:
         for p in procs:
             p.stop()
 
 
-def pulls(decode) -> int:
-    return decode.log_text().count('"event": "KV pulled"')
+def pulls(c) -> int:
+    """Transfers D logged, each with the transport the test selected."""
+    lines = (json.loads(line) for line in c["decode"].log_text().splitlines() if '"KV pulled"' in line)
+    return sum(1 for e in lines if e.get("event") == "KV pulled" and e.get("transport") == c["transport"])
+
+
+def metric(proc, name: str) -> float:
+    text = httpx.get(proc.url + "/metrics", timeout=10).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert values, f"{name} not exported"
+    return sum(values)
 
 
 @pytest.mark.parametrize("prompt", [
@@ -56,10 +83,10 @@ def pulls(decode) -> int:
 ], ids=["1-token", "short", "multi-block", "thousands"])
 def test_pull_equals_plain_vllm(pull_cluster, prompt):
     c = pull_cluster
-    before = pulls(c["decode"])
+    before = pulls(c)
     expected = ids(c["oracle"].url, c["model"], prompt)
     assert ids(c["proxy"].url, c["model"], prompt) == expected
-    assert pulls(c["decode"]) == before + 1, "decode did not pull the KV from prefill"
+    assert pulls(c) == before + 1, "decode did not pull the KV from prefill"
 
 
 def test_32_concurrent_requests(pull_cluster):
@@ -67,7 +94,7 @@ def test_32_concurrent_requests(pull_cluster):
     prompts = [f"Request {i}: tell me a story about the number {i * 7} and the colour of the sky. " * (1 + i % 5)
                for i in range(32)]
     expected = [ids(c["oracle"].url, c["model"], p) for p in prompts]
-    before = pulls(c["decode"])
+    before = pulls(c)
 
     async def one(client, prompt):
         r = await client.post(c["proxy"].url + "/v1/completions", json={
@@ -82,14 +109,19 @@ def test_32_concurrent_requests(pull_cluster):
 
     got = asyncio.run(all_at_once())
     assert got == expected
-    assert pulls(c["decode"]) == before + 32
+    assert pulls(c) == before + 32
 
 
-def test_blocks_return_to_idle(pull_cluster):
+def test_blocks_return_to_idle_and_metrics_count_the_bytes(pull_cluster):
     c = pull_cluster
     ids(c["proxy"].url, c["model"], "Warm the cache once more. " * 20)
     wait_for(lambda: kv_usage(c["prefill"]) == 0.0 and kv_usage(c["decode"]) == 0.0, 30,
              "KV blocks still allocated after the requests finished")
+    wait_for(lambda: metric(c["decode"], "ascendserve:kv_transfer_bytes_total") > 0, 30,
+             "decode exported no transferred bytes")
+    assert metric(c["decode"], "ascendserve:kv_transfer_seconds_count") >= 1
+    wait_for(lambda: metric(c["prefill"], "ascendserve:kv_blocks_held_remote") == 0, 30,
+             "prefill reports blocks still held")
 
 
 def test_prefill_holds_kv_until_decode_frees_it(pull_cluster):
@@ -102,9 +134,9 @@ def test_prefill_holds_kv_until_decode_frees_it(pull_cluster):
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_block_ids"] and params["remote_port"]
     assert kv_usage(c["prefill"]) > 0.0
-    from ascendserve.connectors.transport.tcp import TcpClient
+    from ascendserve.connectors.transport.channel import free_remote
 
-    TcpClient(TOKEN, None).free("127.0.0.1", params["remote_port"], params["remote_request_id"])
+    assert free_remote(TOKEN, "127.0.0.1", params["remote_port"], params["remote_request_id"]) == 1
     wait_for(lambda: kv_usage(c["prefill"]) == 0.0, 60, "prefill kept the KV after it was freed")
 
 
@@ -128,8 +160,13 @@ def test_side_channel_refuses_garbage_and_bad_tokens(pull_cluster):
     with socket.create_connection((host, port), timeout=10) as s:
         frames.send_frame(s, {"type": "READ", "request_id": "x", "blocks": [0]})  # no HELLO first
         assert frames.read_frame(s, 0)["type"] == "ERR"
+    with socket.create_connection((host, port), timeout=10) as s:  # an oversized READ
+        frames.send_frame(s, {"type": "HELLO", "token": TOKEN})
+        assert frames.read_frame(s, 0)["type"] == "OK"
+        s.sendall(frames.encode({"type": "READ", "request_id": "x", "blocks": [0]}, payload_len=1 << 40))
+        assert "exceeds" in frames.read_frame(s, 0)["reason"]
     log = c["prefill"].log_text()
-    assert log.count("KV side channel rejected a connection") >= 5 and TOKEN not in log
+    assert log.count("KV side channel rejected a connection") >= 6 and TOKEN not in log
     # and it keeps serving
     prompt = "Still serving after the garbage. " * 10
     assert ids(c["proxy"].url, c["model"], prompt) == ids(c["oracle"].url, c["model"], prompt)

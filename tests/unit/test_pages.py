@@ -1,6 +1,5 @@
 """Page gather/scatter over tensors shaped like vLLM's CPU KV caches."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,10 +21,9 @@ def test_gather_then_scatter_moves_exact_pages(dtype):
     src, dst = PagedKV(caches(dtype, seed=1)), PagedKV(caches(dtype, seed=2))
     assert len(src.layers) == 3 and src.layout() == dst.layout()
     remote, local = [7, 2, 2, 9], [0, 5, 6, 3]  # repeated ids and the last block included
-    data = src.gather(remote)
-    assert len(data) == src.nbytes(4)
-    staging = dst.staging(4)
-    staging.reshape(-1)[:] = np.frombuffer(data, dtype=np.uint8)
+    staging = src.staging(4)
+    assert staging.nbytes == src.nbytes(4)
+    src.gather_into(remote, staging)
     dst.scatter(local, staging)
     for s, d in zip(src.layers, dst.layers):
         for r, l in zip(remote, local):
@@ -38,9 +36,11 @@ def test_gather_then_scatter_moves_exact_pages(dtype):
 
 def test_empty_and_out_of_range():
     kv = PagedKV(caches(torch.float32))
-    assert len(kv.gather([])) == 0
+    empty = kv.staging(0)
+    kv.gather_into([], empty)
+    assert empty.size == 0
     with pytest.raises(ValueError, match="out of range"):
-        kv.gather([10])
+        kv.gather_into([10], kv.staging(1))
     with pytest.raises(ValueError, match="out of range"):
         kv.scatter([-1], kv.staging(1))
 
@@ -49,3 +49,9 @@ def test_layout_differs_when_shapes_differ():
     a = PagedKV(caches(torch.float32))
     b = PagedKV({k: v.to(torch.bfloat16) for k, v in caches(torch.float32).items()})
     assert a.layout() != b.layout()
+
+
+def test_regions_cover_each_layer_once():
+    kv = PagedKV(caches(torch.float32))
+    assert [size for _, size in kv.regions()] == [10 * 2 * 32 * 128 * 4] * 3
+    assert len({addr for addr, _ in kv.regions()}) == 3

@@ -43,6 +43,7 @@ class PagedKV:
         self.dtype = dtypes.pop()
         self.num_blocks = blocks.pop()
         self.page_bytes = math.prod(self.page_shape) * self.layers[0].element_size()
+        self.num_layers = len(self.layers)
         self._views: list[np.ndarray] | None = None
 
     def layout(self) -> dict:
@@ -68,15 +69,24 @@ class PagedKV:
     def staging(self, n_blocks: int) -> np.ndarray:
         return np.empty((len(self.layers), n_blocks, self.page_bytes), dtype=np.uint8)
 
-    def gather(self, block_ids: list[int]) -> memoryview:
-        out = self.staging(len(block_ids))
+    def gather_into(self, block_ids: list[int], out: np.ndarray) -> None:
+        """`out`: [layers, len(block_ids), page_bytes] bytes (a staging buffer or a shared segment)."""
         gather_pages(self._bytes_views(), self._index(block_ids), out)
-        return self.as_bytes(out)
 
-    def scatter(self, block_ids: list[int], data: np.ndarray) -> None:
-        """`data`: a staging buffer from `staging()` filled with the remote pages."""
-        scatter_pages(self._bytes_views(), self._index(block_ids), data)
+    def scatter(self, block_ids: list[int], src: np.ndarray) -> None:
+        """`src`: [layers, len(block_ids), page_bytes] bytes holding the remote pages."""
+        scatter_pages(self._bytes_views(), self._index(block_ids), src)
 
-    @staticmethod
-    def as_bytes(staging: np.ndarray) -> memoryview:
-        return memoryview(staging.reshape(-1))
+    def layer_index(self) -> dict[str, int]:
+        """vLLM layer name -> page layer (layers sharing a cache map to the first one only)."""
+        return {n.rsplit("#", 1)[0]: i for i, n in enumerate(self.names) if n.endswith("#0")}
+
+    def gather_layer(self, layer: int, block_ids: list[int]) -> np.ndarray:
+        """A copy of one layer's pages: [len(block_ids), page_bytes]."""
+        return self._bytes_views()[layer][self._index(block_ids)]
+
+    def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray) -> None:
+        self._bytes_views()[layer][self._index(block_ids)] = src
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.layers]

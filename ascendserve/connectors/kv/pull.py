@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from ascendserve.config import environ
 from ascendserve.connectors.kv.pull_plan import PullMetadata, PullPlanner, PullSettings
 from ascendserve.connectors.kv.pull_worker import PullWorker
+from ascendserve.connectors.kv.stats import KVTransferProm, KVTransferStats
 
 
 class AscendPullConnector(KVConnectorBase_V1):
@@ -69,6 +70,18 @@ class AscendPullConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recvd, failed = self._worker.get_transfer_results()
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd, failed_recving=failed)
+
+    # ---- telemetry -------------------------------------------------------
+    def get_kv_connector_stats(self):
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KVTransferStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVTransferProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

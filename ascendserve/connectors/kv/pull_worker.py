@@ -20,8 +20,9 @@ import structlog
 
 from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings, RecvPlan
-from ascendserve.connectors.transport.base import TransferError
-from ascendserve.connectors.transport.tcp import TcpClient, TcpServer
+from ascendserve.connectors.kv.stats import StatsRecorder
+from ascendserve.connectors.transport import make_transport
+from ascendserve.connectors.transport.channel import ChannelClient, ChannelServer
 from ascendserve.connectors.transport.threads import unpin_current_thread
 
 log = structlog.get_logger("ascendserve.kv.pull")
@@ -48,8 +49,9 @@ class PullWorker:
         self.settings, self.token, self.tp_rank, self.producer = settings, token, tp_rank, producer
         self.hold_wait_s = hold_wait_s
         self.kv: PagedKV | None = None
-        self.server: TcpServer | None = None
-        self.client: TcpClient | None = None
+        self.server: ChannelServer | None = None
+        self.client: ChannelClient | None = None
+        self._transports: list = []
         self._lock = threading.Lock()
         self._registered = threading.Condition(self._lock)
         self._changed = threading.Condition(self._lock)  # something to report
@@ -63,15 +65,24 @@ class PullWorker:
         self._threads: list[threading.Thread] = []
         self._idle_step = False
         self._pending = 0  # pulls queued or running
-        self.bytes_moved = 0
+        self.stats = StatsRecorder()
 
     # ---- set-up ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.kv = PagedKV(kv_caches)
-        self.client = TcpClient(self.token, self.kv.layout())
+        mine = make_transport(self.settings.transport, self.kv, self.settings.host)
+        self._transports.append(mine)
+        self.client = ChannelClient(self.token, self.kv, mine)
         if self.producer:
+            # P offers what it was configured with plus the transports that cost nothing to
+            # offer, so a D configured differently still gets its KV
+            offered = {mine.name: mine}
+            for name in ("tcp", "shm"):
+                if name not in offered:
+                    offered[name] = make_transport(name, self.kv)
+                    self._transports.append(offered[name])
             port = self.settings.port + self.tp_rank if self.settings.port else 0  # 0: any free port (tests)
-            self.server = TcpServer(self.settings.bind_host, port, self, self.token)
+            self.server = ChannelServer(self.settings.bind_host, port, self, self.kv, self.token, offered)
             self.server.start()
         for i in range(TRANSFER_THREADS):
             t = threading.Thread(target=self._run_jobs, name=f"kv-pull-{i}", daemon=True)
@@ -88,6 +99,8 @@ class PullWorker:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.client is not None:
             self.client.close()
+        for transport in self._transports:
+            transport.close()
 
     def _run_jobs(self) -> None:
         unpin_current_thread()
@@ -98,14 +111,14 @@ class PullWorker:
             except Exception as exc:  # noqa: BLE001 - a job never kills its thread
                 log.warning("KV transfer job failed", job=getattr(fn, "__name__", str(fn)), error=str(exc))
 
-    # ---- PageSource (producer, called from side-channel threads) ---------
+    # ---- Holds (producer, called from side-channel threads) ---------------
     def check_hello(self, hello: dict) -> str | None:
         mine = self.kv.layout()
         if hello.get("layout") != mine:
             return f"KV layout mismatch: consumer {hello.get('layout')} vs producer {mine}"
         return None
 
-    def read(self, request_id: str, block_ids: list[int]) -> memoryview:
+    def acquire(self, request_id: str, block_ids: list[int]) -> None:
         with self._lock:
             # P answers the HTTP request before its next engine step registers the
             # hold, so a fast D can ask first: wait a little for it.
@@ -119,14 +132,15 @@ class PullWorker:
             if not set(block_ids) <= held.blocks:
                 raise ValueError(f"request {request_id} does not hold blocks {sorted(set(block_ids) - held.blocks)}")
             held.readers += 1
-        try:
-            data = self.kv.gather(block_ids)
-        finally:
-            with self._lock:
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is not None:
                 held.readers -= 1
-                held.deadline = max(held.deadline, time.monotonic() + 5.0)
-        self.bytes_moved += len(data)
-        return data
+                if not held.freed:  # D reads in parts or retries: give it a moment more
+                    held.deadline = max(held.deadline, time.monotonic() + 5.0)
+                self._changed.notify_all()
 
     def free(self, request_id: str) -> None:
         with self._lock:
@@ -160,6 +174,7 @@ class PullWorker:
             if held.readers == 0 and held.deadline <= now:
                 if not held.freed:
                     log.warning("KV held for decode past its deadline; freeing", request=request_id)
+                    self.stats.expired()
                 del self._held[request_id]
                 self._sent.add(request_id)
 
@@ -178,31 +193,38 @@ class PullWorker:
         with self._lock:
             return len(self._held)
 
+    def take_stats(self):
+        with self._lock:
+            held = sum(len(h.blocks) for h in self._held.values()) if self.producer else None
+        return self.stats.take(held)
+
     # ---- consumer --------------------------------------------------------
     def _pull(self, plan: RecvPlan) -> None:
         port = plan.port + self.tp_rank
         ok = False
         started = time.monotonic()
         log.debug("KV pull starting", request=plan.request_id, peer=f"{plan.host}:{port}", blocks=len(plan.local_blocks))
+        moved = 0
         try:
             if plan.local_blocks:
-                if len(plan.remote_blocks) != len(plan.local_blocks):
-                    raise TransferError(f"{len(plan.local_blocks)} local blocks for {len(plan.remote_blocks)} remote")
-                staging = self.kv.staging(len(plan.local_blocks))
-                self.client.read(plan.host, port, plan.remote_request_id, plan.remote_blocks,
-                                 PagedKV.as_bytes(staging))
-                self.kv.scatter(plan.local_blocks, staging)
-                self.bytes_moved += self.kv.nbytes(len(plan.local_blocks))
+                moved = self.client.pull(plan.host, port, plan.remote_request_id, plan.remote_blocks,
+                                         plan.local_blocks)
             ok = True
-            log.debug("KV pulled", request=plan.request_id, blocks=len(plan.local_blocks),
-                      ms=round((time.monotonic() - started) * 1000, 2))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the scheduler
             log.warning("KV pull failed", request=plan.request_id, peer=f"{plan.host}:{port}", error=str(exc))
-        finally:
-            self.client.free(plan.host, port, plan.remote_request_id)
-            with self._lock:
-                self._pending -= 1
-                self._recvd.add(plan.request_id)
-                if not ok:
-                    self._failed.add(plan.request_id)
-                self._changed.notify_all()
+        seconds = time.monotonic() - started
+        with self._lock:
+            self._pending -= 1
+            self._recvd.add(plan.request_id)
+            if ok:
+                self.stats.transfer(moved, seconds)
+            else:
+                self._failed.add(plan.request_id)
+                self.stats.failure()
+            self._changed.notify_all()
+        if ok:
+            log.info("KV pulled", request=plan.request_id, blocks=len(plan.local_blocks), bytes=moved,
+                     ms=round(seconds * 1000, 2), gbps=round(moved / seconds / 1e9, 3) if seconds > 0 else None,
+                     transport=self.settings.transport)
+        # after D's engine may go on: P's release is off the critical path
+        self.client.free(plan.host, port, plan.remote_request_id)

@@ -1,53 +1,96 @@
-"""The transport contract: a producer serves pages of held requests; a consumer reads them.
+"""The transport contract: how the pages of a held request move from P to D.
 
-Producer side (P's worker process): a `TransportServer` answers for one
-`PageSource`. Consumer side (D's worker process): a `TransportClient` reads
-pages of one remote request into a local buffer and tells the producer to
-free them. Implementations: tcp (here). shm and Mooncake plug in behind the
-same two classes; HCCL/RDMA variants on Ascend follow the Mooncake API.
+Every transport shares one control channel (channel.py: HELLO / READ / FREE
+frames over TCP, cluster token, KV layout check) and differs only in how a
+READ's bytes travel:
+
+    tcp       the pages follow the DATA frame on the same socket
+    shm       P gathers them into a shared-memory segment, D copies them out
+              (same host only)
+    mooncake  D reads P's registered KV pages straight into its own with the
+              Mooncake Transfer Engine (TCP here; RDMA/HCCS elsewhere)
+
+A transport implements `serve_read` (producer) and `fetch` (consumer) and
+may add fields to the handshake answer (`offer`).
 """
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the proxy imports the channel and needs no numpy
+    import numpy as np
 
 
 class TransferError(Exception):
     """A read or free did not complete; the consumer treats the request as failed."""
 
 
-class PageSource(Protocol):
-    """What a producer exposes. Called from transport threads: must be thread-safe."""
+class Pages(Protocol):
+    """A paged KV cache seen as uniform pages (connectors/kv/pages.py)."""
+
+    page_bytes: int
+    num_layers: int
+
+    def layout(self) -> dict: ...
+
+    def nbytes(self, n_blocks: int) -> int: ...
+
+    def staging(self, n_blocks: int) -> np.ndarray: ...
+
+    def gather_into(self, block_ids: list[int], out: np.ndarray) -> None: ...
+
+    def scatter(self, block_ids: list[int], src: np.ndarray) -> None: ...
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every layer's cache, for transports that register memory."""
+
+
+class Holds(Protocol):
+    """What a producer holds for consumers. Called from transport threads: thread-safe."""
 
     def check_hello(self, hello: dict) -> str | None:
         """None if a consumer with this handshake may read; else the reason it may not."""
 
-    def read(self, request_id: str, block_ids: list[int]) -> memoryview:
-        """The pages of `block_ids`, layer-major, as one buffer. KeyError if the
-        request is not held (unknown, freed or expired); ValueError for blocks
-        the request does not hold."""
+    def acquire(self, request_id: str, block_ids: list[int]) -> None:
+        """Pin `block_ids` of a held request for one read. KeyError if the request is not
+        held (unknown, freed or expired); ValueError for blocks it does not hold."""
+
+    def release(self, request_id: str) -> None:
+        """The read that `acquire` pinned is over."""
 
     def free(self, request_id: str) -> None:
         """The consumer is done with `request_id`."""
 
 
-class TransportServer(ABC):
-    @abstractmethod
-    def start(self) -> None: ...
+class PushSink(Protocol):
+    """D in push mode: where pushed layers land. Called from transport threads."""
+
+    def receive(self, request_id: str, layer: int, block_ids: list[int], pages: "np.ndarray") -> None:
+        """Store one layer's pages [len(block_ids), page_bytes]; KeyError/ValueError if unexpected."""
+
+    def complete(self, request_id: str, ok: bool) -> None:
+        """Every layer of the request arrived (ok) or the producer gave up on it."""
+
+
+class Transport(ABC):
+    name: str
+
+    def offer(self) -> dict:
+        """Extra fields of the producer's handshake answer."""
+        return {}
 
     @abstractmethod
-    def stop(self) -> None: ...
-
-
-class TransportClient(ABC):
-    @abstractmethod
-    def read(self, host: str, port: int, request_id: str, block_ids: list[int], into: memoryview) -> None:
-        """Fill `into` with the remote pages (exactly its length) or raise TransferError."""
+    def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int]) -> None:
+        """Producer: deliver the pinned pages of one READ to the consumer on `conn`."""
 
     @abstractmethod
-    def free(self, host: str, port: int, request_id: str) -> bool:
-        """Best effort: tell the producer to release `request_id` now; True if it answered."""
+    def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
+              local_blocks: list[int]) -> int:
+        """Consumer: after READ was sent on `sock`, land the remote pages in `local_blocks`;
+        return the bytes moved. Raise TransferError (or OSError/FrameError) on failure."""
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        return None

@@ -1,0 +1,169 @@
+"""Layerwise push mode, scheduler side (EngineCore process) and the metadata for the workers.
+
+    proxy  -> D   kv_transfer_params {do_remote_prefill: true, metaserver: <callback URL>}
+    D      get_num_new_matched_tokens -> (prompt tokens not cached here, load async)
+           update_state_after_alloc   -> POST vllm-ascend's body to the callback (a thread):
+                                         {request_id, token_ids, remote_block_ids: D's new
+                                         blocks, remote_host/port: D's receiver, remote_cached_tokens}
+           the worker waits for every layer (PUSHED) or its deadline; a failed POST fails it
+    metaserver -> P   the same fields as kv_transfer_params, once per request
+    P      every step that computes part of the prompt sends, per layer as soon as the
+           layer is computed, the pages of the blocks touched so far; the step that
+           finishes the prompt ends with PUSHED. P frees its blocks as usual.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import httpx
+import structlog
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ascendserve.connectors.kv.pull_plan import PullSettings
+from ascendserve.protocol.kv_params import base_request_id
+
+log = structlog.get_logger("ascendserve.kv.push")
+
+
+@dataclass
+class PushPlan:
+    """P: send these pages this step (D's blocks in the same order as P's)."""
+
+    request_id: str  # D's engine request id
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    host: str
+    port: int
+    last: bool  # this step completes the prompt: send PUSHED after the layers
+
+
+@dataclass
+class PushMetadata(KVConnectorMetadata):
+    push: list[PushPlan] = field(default_factory=list)  # P
+    expect: dict[str, list[int]] = field(default_factory=dict)  # D: request -> reserved blocks
+    failed: list[str] = field(default_factory=list)  # D: the metaserver could not get P to prefill
+    idle: bool = False
+
+
+@dataclass
+class _Outgoing:
+    target: dict  # D's PushPrefillRequest fields
+    blocks: list[int] = field(default_factory=list)  # P's blocks of the request so far
+    skip: int = 0  # leading blocks D already had (its prefix cache)
+    prompt_len: int = 0
+
+
+class PushPlanner:
+    def __init__(self, settings: PullSettings, engine_id: str, tp_size: int, block_size: int,
+                 post_timeout_s: float | None = None):
+        self.settings, self.engine_id, self.tp_size, self.block_size = settings, engine_id, tp_size, block_size
+        self.post_timeout_s = post_timeout_s or settings.ttl_s
+        self._out: dict[str, _Outgoing] = {}
+        self._expect: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._failed: list[str] = []
+        self._client = httpx.Client(timeout=self.post_timeout_s)
+
+    # ---- both ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or not params.get("metaserver"):
+            return 0, False
+        n = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and params.get("remote_block_ids") is not None:
+            self._out[request.request_id] = self._outgoing(request.request_id, params, request)
+            return
+        if not (params.get("do_remote_prefill") and params.get("metaserver")):
+            return
+        params["do_remote_prefill"] = False  # one push per request
+        local = list(blocks.get_unhashed_block_ids_all_groups()[0]) if num_external_tokens > 0 else []
+        if not local:
+            return
+        cached = len(request.prompt_token_ids or ()) - num_external_tokens
+        self._expect[request.request_id] = local
+        body = {"request_id": request.request_id, "token_ids": list(request.prompt_token_ids or ()),
+                "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": local,
+                "remote_block_size": self.block_size, "remote_engine_id": self.engine_id,
+                "remote_host": self.settings.host, "remote_port": self.settings.port,
+                "remote_tp_size": self.tp_size, "remote_cached_tokens": cached}
+        threading.Thread(target=self._ask_for_prefill, args=(str(params["metaserver"]), body),
+                         name="kv-push-ask", daemon=True).start()
+
+    def _outgoing(self, request_id: str, params: dict, request) -> _Outgoing:
+        batch = params.get("batch_kv_transfer_params")
+        target = params
+        if isinstance(batch, dict):  # a completion with several prompts: find mine
+            mine = base_request_id(request_id)
+            target = next((v for k, v in batch.items() if base_request_id(str(k)) == mine), params)
+        cached = int(target.get("remote_cached_tokens") or 0)
+        return _Outgoing(target=target, skip=cached // self.block_size, prompt_len=len(request.prompt_token_ids or ()))
+
+    def _ask_for_prefill(self, url: str, body: dict) -> None:
+        request_id = body["request_id"]
+        try:
+            r = self._client.post(url, json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"{r.status_code} {r.text[:300]}")
+            log.debug("prefill done for pushed request", request=request_id)
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the worker
+            log.warning("metaserver could not get the prompt prefilled; the request falls back by policy",
+                        request=request_id, error=str(exc))
+            with self._lock:
+                self._failed.append(request_id)
+
+    # ---- per step -------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> PushMetadata:
+        meta = PushMetadata(expect=self._expect, idle=not scheduler_output.total_num_scheduled_tokens)
+        self._expect = {}
+        with self._lock:
+            meta.failed, self._failed = self._failed, []
+        scheduled = scheduler_output.num_scheduled_tokens
+        starts: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            out = self._out.get(new.req_id)
+            if out is not None:
+                out.blocks = list(new.block_ids[0])
+                starts[new.req_id] = 0  # P's own prefix-cache hits are pushed too
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            out = self._out.get(req_id)
+            if out is None:
+                continue
+            if cached.new_block_ids[i] is not None:
+                out.blocks += list(cached.new_block_ids[i][0])
+            starts[req_id] = cached.num_computed_tokens[i]
+        for req_id, start in starts.items():
+            out = self._out[req_id]
+            end = min(start + scheduled.get(req_id, 0), out.prompt_len)
+            if end <= start and start > 0:
+                continue
+            first = max(out.skip, start // self.block_size)
+            last_block = -(-end // self.block_size)  # exclusive
+            remote = out.target.get("remote_block_ids") or []
+            if remote and isinstance(remote[0], (list, tuple)):
+                remote = remote[0]
+            idx = range(first, last_block)
+            done = end >= out.prompt_len
+            meta.push.append(PushPlan(
+                request_id=str(out.target.get("request_id")), local_blocks=[out.blocks[i] for i in idx],
+                remote_blocks=[int(remote[i - out.skip]) for i in idx], host=str(out.target.get("remote_host")),
+                port=int(out.target.get("remote_port")), last=done))
+            if done:
+                del self._out[req_id]
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        # P pushed while computing (the worker copies pages out before the step ends), so
+        # blocks are freed as usual; a request aborted mid-prompt never sends PUSHED and D
+        # recomputes at its deadline.
+        self._out.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self._client.close()

@@ -1,0 +1,277 @@
+"""KV transfer between prefill and decode: our transports and connectors next to the floors.
+
+    python -m bench.kv_transfer [--tokens 4096] [--repeat 5] [--skip-e2e]
+
+One run measures, on a tiny-but-wide model (16 layers, 8 KV heads of 64, fp32:
+64 KiB of KV per token, ~256 MiB for a 4k prompt):
+
+1. Bandwidth of one request's KV (every layer's pages of every block), P and D
+   in separate processes: raw loopback TCP socket and memcpy (the floors), then
+   our tcp / shm / mooncake transports through the real side channel
+   (PullWorker on both sides, vLLM's CPU page layout).
+2. TTFT of the same 4k prompt (streamed, max_tokens 2, a fresh prompt each
+   time so no prefix cache helps): plain vLLM (monolithic), 1P1D through our
+   proxy with our pull connector over each transport, our layerwise push
+   connector, and vLLM's ExampleConnector. Each 1P1D figure is checked against
+   monolithic TTFT + 1.2 x (KV bytes / that transport's measured bandwidth).
+vLLM's own MooncakeConnector is not in the table: on CPU-only torch it dies
+at start-up (torch.accelerator.current_device_index(), an upstream defect).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench._report import save, table
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 128
+TRANSPORTS = ("tcp", "shm", "mooncake")
+TOKEN = "bench-token"
+
+
+def kv_caches(num_blocks: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn((num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM), generator=g)
+            for i in range(LAYERS)}
+
+
+# ---- floors ------------------------------------------------------------------
+def _sink(port_q, nbytes: int, rounds: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    buf = memoryview(bytearray(nbytes))
+    for _ in range(rounds):
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(buf[got:], nbytes - got)
+        conn.sendall(b"k")
+    conn.close()
+
+
+def raw_socket_gbps(nbytes: int, repeat: int) -> float:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_sink, args=(q, nbytes, repeat + 1))
+    proc.start()
+    sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    data = memoryview(np.random.randint(0, 255, nbytes, dtype=np.uint8))
+    samples = []
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        sock.sendall(data)
+        sock.recv(1)
+        if i:
+            samples.append(nbytes / (time.perf_counter() - t) / 1e9)
+    sock.close()
+    proc.join(10)
+    return statistics.median(samples)
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = np.random.randint(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    samples = []
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(nbytes / (time.perf_counter() - t) / 1e9)
+    return statistics.median(samples[1:])
+
+
+# ---- our transports ------------------------------------------------------------
+def _producer(port_q, stop_ev, num_blocks: int, holds: int, blocks: list[int]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings
+    from ascendserve.connectors.kv.pull_worker import PullWorker
+
+    transport = "mooncake" if _has_mooncake() else "tcp"
+    p = PullWorker(PullSettings("127.0.0.1", "127.0.0.1", 0, 600.0, transport), TOKEN, 0, producer=True)
+    p.register_kv_caches(kv_caches(num_blocks, 1))
+    p.start_load_kv(PullMetadata(send={f"r{i}": (blocks, 600.0) for i in range(holds)}))
+    port_q.put(p.server.port)
+    while not stop_ev.wait(0.05):
+        p.get_transfer_results()
+    p.shutdown()
+
+
+def _has_mooncake() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mooncake") is not None
+
+
+def transport_gbps(num_blocks: int, blocks: list[int], repeat: int) -> dict[str, float]:
+    from ascendserve.connectors.kv.pull_plan import PullSettings
+    from ascendserve.connectors.kv.pull_worker import PullWorker
+
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    names = [t for t in TRANSPORTS if t != "mooncake" or _has_mooncake()]
+    proc = ctx.Process(target=_producer, args=(q, stop, num_blocks, len(names) * (repeat + 1), blocks))
+    proc.start()
+    port = q.get(timeout=120)
+    out, n = {}, 0
+    try:
+        for name in names:
+            d = PullWorker(PullSettings("127.0.0.1", "127.0.0.1", 0, 600.0, name), TOKEN, 0, producer=False)
+            d.register_kv_caches(kv_caches(num_blocks, 2))
+            local = list(reversed(blocks))
+            samples = []
+            for i in range(repeat + 1):
+                t = time.perf_counter()
+                moved = d.client.pull("127.0.0.1", port, f"r{n}", blocks, local)
+                dt = time.perf_counter() - t
+                d.client.free("127.0.0.1", port, f"r{n}")
+                n += 1
+                if i:
+                    samples.append(moved / dt / 1e9)
+            out[name] = statistics.median(samples)
+            d.shutdown()
+    finally:
+        stop.set()
+        proc.join(30)
+    return out
+
+
+# ---- end to end ----------------------------------------------------------------
+def build_model(root: Path) -> Path:
+    from ascendserve.models.tiny import TinySpec, build
+
+    spec = TinySpec(layers=LAYERS, hidden=KV_HEADS * HEAD_DIM, heads=KV_HEADS, kv_heads=KV_HEADS, intermediate=1024)
+    return build(root / "wide", spec)
+
+
+def prompt(tokens: int, salt: int) -> str:
+    # ~1 token per character with the tiny byte-level tokenizer; the salt keeps caches cold
+    body = "".join(f"{(salt * 7919 + i) % 100003} bottles of ink on the wall. " for i in range(tokens))
+    return body[:tokens - 8]
+
+
+def ttft(url: str, model: str, text: str) -> float:
+    import httpx
+
+    t = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
+            "model": model, "prompt": text, "max_tokens": 2, "temperature": 0, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return time.perf_counter() - t
+    raise RuntimeError("no token streamed")
+
+
+def measure(url: str, model: str, tokens: int, repeat: int, salt: int) -> float:
+    ttft(url, model, prompt(64, salt))  # warm the path
+    return statistics.median(ttft(url, model, prompt(tokens, salt * 100 + i)) for i in range(repeat))
+
+
+def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, float]:
+    from tests.procs import ascendserve, control, plain_vllm, start_all
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    m = str(model)
+    out: dict[str, float] = {}
+    salt = 1
+    mono = plain_vllm(model, logs, env=env)
+    start_all(mono)
+    try:
+        out["monolithic (plain vLLM)"] = measure(mono.url, m, tokens, repeat, salt)
+    finally:
+        mono.stop()
+
+    def pair(label_transport: list[tuple[str, str]], connector: str, p_extra=(), proxy_extra=()):
+        nonlocal salt
+        common = ("--kv-connector", connector, "--cluster-token", TOKEN, "--log-format", "json")
+        p = ascendserve("prefill", model, logs, *common, *p_extra, name=f"prefill-{connector}", env=env)
+        start_all(p)
+        try:
+            for label, transport in label_transport:
+                d = ascendserve("decode", model, logs, *common, "--kv-transport", transport,
+                                name=f"decode-{connector}-{transport}", env=env)
+                start_all(d)
+                try:
+                    proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{p.port}", "--decode",
+                                    f"127.0.0.1:{d.port}", "--cluster-token", TOKEN, *proxy_extra)
+                    start_all(proxy)
+                    try:
+                        salt += 1
+                        out[label] = measure(proxy.url, m, tokens, repeat, salt)
+                    finally:
+                        proxy.stop()
+                finally:
+                    d.stop()
+        finally:
+            p.stop()
+
+    pair([(f"1P1D pull {t}", t) for t in TRANSPORTS if t != "mooncake" or _has_mooncake()], "pull",
+         p_extra=("--kv-transport", "mooncake" if _has_mooncake() else "tcp"))
+    meta = control("metaserver", logs, "--cluster-token", TOKEN)
+    start_all(meta)
+    try:
+        pair([("1P1D push tcp (layerwise)", "tcp")], "push", proxy_extra=("--mode", "push", "--metaserver-url", meta.url))
+    finally:
+        meta.stop()
+    kv_dir = logs / "example-kv"
+    pair([("1P1D vLLM ExampleConnector", "tcp")], "example", p_extra=("--kv-path", str(kv_dir)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096 - 16)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--skip-e2e", action="store_true", help="bandwidth only (no vLLM instances)")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    blocks_n = -(-args.tokens // BLOCK)
+    num_blocks = blocks_n + 8
+    kv_bytes = LAYERS * blocks_n * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4
+    blocks = list(range(3, 3 + blocks_n))
+    print(f"KV of a {args.tokens}-token prompt: {blocks_n} blocks x {LAYERS} layers = {kv_bytes / 2**20:.0f} MiB",
+          flush=True)
+    floors = {"raw TCP socket (loopback)": raw_socket_gbps(kv_bytes, args.repeat),
+              "memcpy (numpy, 1 thread)": memcpy_gbps(kv_bytes, args.repeat)}
+    ours = transport_gbps(num_blocks, blocks, args.repeat)
+    tcp_floor, mem_floor = floors["raw TCP socket (loopback)"], floors["memcpy (numpy, 1 thread)"]
+    rows = [[k, v, "floor"] for k, v in floors.items()]
+    for name, v in ours.items():
+        ref = mem_floor if name == "shm" else tcp_floor
+        rows.append([f"ascendserve {name}", v, f"{v / ref:.2f}x {'memcpy' if name == 'shm' else 'raw socket'}"])
+    text = table(f"KV bandwidth, one {kv_bytes / 2**20:.0f} MiB request (GB/s, median of {args.repeat})",
+                 ["path", "GB/s", "ratio"], rows)
+    result = {"tokens": args.tokens, "kv_bytes": kv_bytes, "floors_gbps": floors, "transports_gbps": ours}
+    if not args.skip_e2e:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            (root / "logs").mkdir()
+            model = build_model(root)
+            e2e = end_to_end(model, root / "logs", args.tokens, args.repeat)
+        mono = e2e["monolithic (plain vLLM)"]
+        rows = []
+        for label, v in e2e.items():
+            transport = next((t for t in TRANSPORTS if f" {t}" in label), None)
+            bound = mono + 1.2 * kv_bytes / (ours[transport] * 1e9) if transport in ours and "1P1D" in label else None
+            rows.append([label, v, f"{v / mono:.2f}x", f"{bound:.3f}" if bound else "-",
+                         ("ok" if v <= bound else "over") if bound else "-"])
+        text += "\n" + table(f"TTFT of a {args.tokens}-token prompt (s, median of {args.repeat})",
+                             ["topology", "TTFT s", "x monolithic", "bound s", "within"], rows)
+        result["ttft_s"] = e2e
+    save("kv_transfer", {**result, "table": text})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Layerwise push without vLLM: the planner's block ranges per step, and PushWorker
+P -> D over a real loopback side channel."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ascendserve.connectors.kv.pull_plan import PullSettings
+from ascendserve.connectors.kv.push_plan import PushMetadata, PushPlan, PushPlanner
+from ascendserve.connectors.kv.push_worker import PushWorker
+from ascendserve.protocol.kv_params import base_request_id
+
+BS = 4
+
+
+def settings(ttl_s=30.0):
+    return PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=ttl_s)
+
+
+def caches(seed, blocks=16, layers=3):
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.attn": torch.randn((blocks, 2, 4, 32), generator=g) for i in range(layers)}
+
+
+def step(new=(), cached=(), scheduled=None):
+    """A SchedulerOutput with only the fields the planner reads."""
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                                              new_block_ids=[(b,) if b else None for _, b, _ in cached],
+                                              num_computed_tokens=[c for _, _, c in cached]),
+        num_scheduled_tokens=scheduled or {}, total_num_scheduled_tokens=sum((scheduled or {}).values()))
+
+
+def prefill_request(rid, prompt_len, d_blocks, cached=0, batch=None):
+    params = {"request_id": "D-" + rid, "do_remote_decode": True, "remote_block_ids": d_blocks,
+              "remote_host": "127.0.0.1", "remote_port": 9, "remote_cached_tokens": cached}
+    if batch:
+        params["batch_kv_transfer_params"] = batch
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(prompt_len)))
+
+
+def test_planner_pushes_each_chunk_and_marks_the_last():
+    planner = PushPlanner(settings(), "e", 1, BS)
+    req = prefill_request("p1", 10, [40, 41, 42])  # 10 tokens: 3 blocks of 4
+    planner.update_state_after_alloc(req, None, 0)
+    m1 = planner.build_connector_meta(step(new=[("p1", [7, 8], 0)], scheduled={"p1": 6}))
+    assert m1.push == [PushPlan("D-p1", [7, 8], [40, 41], "127.0.0.1", 9, last=False)]
+    m2 = planner.build_connector_meta(step(cached=[("p1", [9], 6)], scheduled={"p1": 4}))
+    # the partly filled block 8 goes again with the rest of its tokens
+    assert m2.push == [PushPlan("D-p1", [8, 9], [41, 42], "127.0.0.1", 9, last=True)]
+    assert planner.build_connector_meta(step()).push == []
+
+
+def test_planner_skips_blocks_decode_already_had():
+    planner = PushPlanner(settings(), "e", 1, BS)
+    req = prefill_request("p2", 12, [50], cached=8)  # D had the first 2 blocks cached
+    planner.update_state_after_alloc(req, None, 0)
+    meta = planner.build_connector_meta(step(new=[("p2", [1, 2, 3], 0)], scheduled={"p2": 12}))
+    assert meta.push == [PushPlan("D-p2", [3], [50], "127.0.0.1", 9, last=True)]
+
+
+def test_planner_finds_its_prompt_in_a_batch():
+    planner = PushPlanner(settings(), "e", 1, BS)
+    batch = {"cmpl-x-0-aaaaaaaa": {"request_id": "cmpl-x-0-aaaaaaaa", "remote_block_ids": [1], "remote_host": "h",
+                                   "remote_port": 1},
+             "cmpl-x-1-bbbbbbbb": {"request_id": "cmpl-x-1-bbbbbbbb", "remote_block_ids": [2], "remote_host": "h",
+                                   "remote_port": 1}}
+    req = prefill_request("cmpl-x-1-cccccccc", 3, [0], batch=batch)
+    planner.update_state_after_alloc(req, None, 0)
+    meta = planner.build_connector_meta(step(new=[("cmpl-x-1-cccccccc", [5], 0)], scheduled={"cmpl-x-1-cccccccc": 3}))
+    assert meta.push[0].request_id == "cmpl-x-1-bbbbbbbb" and meta.push[0].remote_blocks == [2]
+    assert base_request_id("cmpl-x-1-bbbbbbbb") == "cmpl-x-1" and base_request_id("chatcmpl-abc") == "chatcmpl-abc"
+
+
+@pytest.fixture()
+def pair():
+    d = PushWorker(settings(), "tok", tp_rank=0, producer=False, expect_wait_s=2.0)
+    d.register_kv_caches(caches(2))
+    p = PushWorker(settings(), "tok", tp_rank=0, producer=True)
+    p.register_kv_caches(caches(1))
+    yield p, d, d.server.port
+    p.shutdown(), d.shutdown()
+
+
+def results_until(worker, pred, timeout=10.0):
+    got = [set(), set(), set()]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for acc, new in zip(got, worker.get_transfer_results()):
+            acc |= new
+        if pred(got):
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"not reached: {got}")
+
+
+def run_step(p, plans):
+    p.start_load_kv(PushMetadata(push=plans))
+    for name in sorted(p.kv.layer_index()):
+        p.save_kv_layer(name)
+    p.wait_for_save()
+
+
+def test_layers_arrive_and_complete(pair):
+    p, d, port = pair
+    d.start_load_kv(PushMetadata(expect={"r": [9, 3, 4]}))
+    run_step(p, [PushPlan("r", [1, 2], [9, 3], "127.0.0.1", port, last=False)])
+    run_step(p, [PushPlan("r", [2, 5], [3, 4], "127.0.0.1", port, last=True)])
+    _, recvd, failed = results_until(d, lambda g: "r" in g[1])
+    assert not failed
+    for src, dst in zip(p.kv.layers, d.kv.layers):
+        assert torch.equal(src[[1, 2, 5]], dst[[9, 3, 4]])
+
+
+def test_push_into_blocks_not_reserved_fails_the_request(pair):
+    p, d, port = pair
+    d.start_load_kv(PushMetadata(expect={"r": [9]}))
+    run_step(p, [PushPlan("r", [1], [10], "127.0.0.1", port, last=True)])
+    _, recvd, failed = results_until(d, lambda g: "r" in g[1])
+    assert "r" in failed
+    assert not torch.equal(p.kv.layers[0][1], d.kv.layers[0][10])
+
+
+def test_missing_layers_fail_and_deadline_expires():
+    d = PushWorker(settings(ttl_s=0.5), "tok", tp_rank=0, producer=False)
+    d.register_kv_caches(caches(2))
+    try:
+        d.start_load_kv(PushMetadata(expect={"never": [1]}))
+        _, _, failed = results_until(d, lambda g: "never" in g[1])
+        assert "never" in failed
+        d.start_load_kv(PushMetadata(expect={"partial": [1]}))
+        d.receive("partial", 0, [1], d.kv.gather_layer(0, [2]))
+        d.complete("partial", ok=True)  # only one layer of three arrived
+        _, _, failed = results_until(d, lambda g: "partial" in g[1])
+        assert "partial" in failed
+    finally:
+        d.shutdown()
+
+
+def test_metaserver_failure_fails_the_load(pair):
+    _, d, _ = pair
+    d.start_load_kv(PushMetadata(expect={"r": [1]}))
+    d.start_load_kv(PushMetadata(failed=["r"]))
+    _, _, failed = results_until(d, lambda g: "r" in g[1])
+    assert "r" in failed
+
+
+def test_dead_decode_does_not_block_the_producer():
+    p = PushWorker(settings(), "tok", tp_rank=0, producer=True)
+    p.register_kv_caches(caches(1))
+    try:
+        started = time.monotonic()
+        run_step(p, [PushPlan("r", [1], [2], "127.0.0.1", 1, last=True)])
+        assert time.monotonic() - started < 1.0  # the step never waits on the network
+        deadline, stats = time.monotonic() + 10, None
+        while time.monotonic() < deadline and stats is None:
+            stats = p.stats.take(None)
+            time.sleep(0.05)
+        assert stats is not None and stats.data["failures"] == 1  # the sender gave up, counted
+    finally:
+        p.shutdown()
