@@ -61,10 +61,12 @@ def events(proc, name: str) -> list[dict]:
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_push_equals_plain_vllm(push_cluster, name):
     c, prompt = push_cluster, PROMPTS[name]
-    pushed_before = len(events(c["prefill"], "KV pushed"))
+    received_before = len(events(c["decode"], "KV received"))
     assert completion_ids(c["proxy"].url, c["model"], prompt, MAX_TOKENS) == \
         completion_ids(c["oracle"].url, c["model"], prompt, MAX_TOKENS)
-    wait_for(lambda: len(events(c["prefill"], "KV pushed")) == pushed_before + 1, 10, "prefill logged no push")
+    # the tokens came from pushed KV, not from a local recompute after a failed push
+    assert len(events(c["decode"], "KV received")) == received_before + 1
+    assert not events(c["decode"], "pushed KV incomplete")
 
 
 def test_32_concurrent_requests(push_cluster):
@@ -84,7 +86,9 @@ def test_32_concurrent_requests(push_cluster):
         async with httpx.AsyncClient(timeout=300) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
+    received_before = len(events(c["decode"], "KV received"))
     assert asyncio.run(all_at_once()) == expected
+    assert len(events(c["decode"], "KV received")) == received_before + 32
     assert not events(c["decode"], "pushed KV never completed; failing the load")
 
 
@@ -97,6 +101,7 @@ def test_several_prompts_in_one_completion(push_cluster):
     assert r.status_code == 200, r.text
     got = [ch["token_ids"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
     assert got == [completion_ids(c["oracle"].url, c["model"], p, MAX_TOKENS) for p in prompts]
+    assert not events(c["decode"], "pushed KV incomplete")
 
 
 def test_blocks_return_to_idle_and_nothing_failed(push_cluster):

@@ -182,5 +182,8 @@ def test_shm_segments_are_unlinked_when_connections_close():
 
 
 def test_mooncake_segments_coalesce_runs():
-    dst, src, lengths = segments([1000, 5000], [0, 100000], 10, remote=[3, 4, 5, 9], local=[0, 1, 2, 7])
+    dst, src, lengths = segments([1000, 5000], [0, 100000], 10, 10, remote=[3, 4, 5, 9], local=[0, 1, 2, 7])
     assert src == [1030, 1090, 5030, 5090] and dst == [0, 70, 100000, 100070] and lengths == [30, 10, 30, 10]
+    # one head run per page: P pages of 4 heads x 5 bytes, D pages of 2 heads x 5 bytes
+    dst, src, lengths = segments([1000], [0], 20, 10, remote=[3, 4], local=[0, 1], head_bytes=5, heads=(2, 0, 2))
+    assert src == [1070, 1090] and dst == [0, 10] and lengths == [10, 10]

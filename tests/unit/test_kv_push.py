@@ -99,10 +99,11 @@ def results_until(worker, pred, timeout=10.0):
 
 
 def run_step(p, plans):
-    p.start_load_kv(PushMetadata(push=plans))
+    meta = PushMetadata(push=plans)  # vLLM binds it before the forward, starts loads after
     for name in sorted(p.kv.layer_index()):
-        p.save_kv_layer(name)
-    p.wait_for_save()
+        p.save_kv_layer(name, meta)
+    p.wait_for_save(meta)
+    p.start_load_kv(meta)
 
 
 def test_layers_arrive_and_complete(pair):

@@ -44,15 +44,20 @@ class PagedKV:
         self.num_blocks = blocks.pop()
         self.page_bytes = math.prod(self.page_shape) * self.layers[0].element_size()
         self.num_layers = len(self.layers)
+        # vLLM's CPU layout puts the KV heads outermost in a page, so a run of heads is
+        # one contiguous byte range of every page: what heterogeneous TP moves.
+        self.num_heads = self.page_shape[0]
+        self.head_bytes = self.page_bytes // self.num_heads
         self._views: list[np.ndarray] | None = None
 
     def layout(self) -> dict:
-        """What both sides must share for pages to mean the same thing."""
-        return {"layers": len(self.layers), "page_shape": list(self.page_shape), "dtype": str(self.dtype),
+        """What both sides must share for pages to mean the same thing (the number of
+        heads per page may differ: P and D can shard heads over different TP sizes)."""
+        return {"layers": len(self.layers), "head_page": list(self.page_shape[1:]), "dtype": str(self.dtype),
                 "names": hashlib.sha256("\n".join(self.names).encode()).hexdigest()[:16]}
 
-    def nbytes(self, n_blocks: int) -> int:
-        return len(self.layers) * n_blocks * self.page_bytes
+    def nbytes(self, n_blocks: int, heads: int | None = None) -> int:
+        return len(self.layers) * n_blocks * (self.page_bytes if heads is None else heads * self.head_bytes)
 
     def _bytes_views(self) -> list[np.ndarray]:
         if self._views is None:
@@ -66,16 +71,36 @@ class PagedKV:
             raise ValueError(f"block id out of range 0..{self.num_blocks - 1}")
         return idx
 
-    def staging(self, n_blocks: int) -> np.ndarray:
-        return np.empty((len(self.layers), n_blocks, self.page_bytes), dtype=np.uint8)
+    def staging(self, n_blocks: int, heads: int | None = None) -> np.ndarray:
+        width = self.page_bytes if heads is None else heads * self.head_bytes
+        return np.empty((len(self.layers), n_blocks, width), dtype=np.uint8)
 
-    def gather_into(self, block_ids: list[int], out: np.ndarray) -> None:
-        """`out`: [layers, len(block_ids), page_bytes] bytes (a staging buffer or a shared segment)."""
-        gather_pages(self._bytes_views(), self._index(block_ids), out)
+    def _head_range(self, heads: tuple[int, int]) -> slice:
+        first, n = heads
+        if first < 0 or n < 1 or first + n > self.num_heads:
+            raise ValueError(f"heads {first}..{first + n - 1} out of range 0..{self.num_heads - 1}")
+        return slice(first * self.head_bytes, (first + n) * self.head_bytes)
 
-    def scatter(self, block_ids: list[int], src: np.ndarray) -> None:
-        """`src`: [layers, len(block_ids), page_bytes] bytes holding the remote pages."""
-        scatter_pages(self._bytes_views(), self._index(block_ids), src)
+    def gather_into(self, block_ids: list[int], out: np.ndarray, heads: tuple[int, int] | None = None) -> None:
+        """`out`: [layers, len(block_ids), bytes per page (or per head run)] (a staging buffer or a
+        shared segment). `heads` = (first, count) takes only those heads of each page."""
+        idx = self._index(block_ids)
+        if heads is None:
+            gather_pages(self._bytes_views(), idx, out)
+            return
+        cols = self._head_range(heads)
+        for i, view in enumerate(self._bytes_views()):
+            out[i] = view[idx, cols]
+
+    def scatter(self, block_ids: list[int], src: np.ndarray, heads: tuple[int, int] | None = None) -> None:
+        """`src`: [layers, len(block_ids), bytes per page (or per head run)] holding remote pages."""
+        idx = self._index(block_ids)
+        if heads is None:
+            scatter_pages(self._bytes_views(), idx, src)
+            return
+        cols = self._head_range(heads)
+        for i, view in enumerate(self._bytes_views()):
+            view[idx, cols] = src[i]
 
     def layer_index(self) -> dict[str, int]:
         """vLLM layer name -> page layer (layers sharing a cache map to the first one only)."""

@@ -34,7 +34,9 @@ class AscendPullConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             token = environ().get("ASCENDSERVE_CLUSTER_TOKEN", "")
-            self._worker = PullWorker(settings, token, get_tensor_model_parallel_rank(), cfg.is_kv_producer)
+            self._worker = PullWorker(settings, token, get_tensor_model_parallel_rank(), cfg.is_kv_producer,
+                                      tp_size=tp_size,
+                                      total_kv_heads=vllm_config.model_config.get_total_num_kv_heads())
 
     # ---- scheduler side --------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

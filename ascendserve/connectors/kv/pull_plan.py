@@ -42,6 +42,7 @@ class RecvPlan:
     host: str
     port: int
     remote_request_id: str
+    remote_tp: int = 1
 
 
 @dataclass
@@ -83,7 +84,7 @@ class PullPlanner:
         remote = _flat_blocks(params.get("remote_block_ids"))
         self._recv.append(RecvPlan(request.request_id, list(local), remote[-len(local):] if local else [],
                                    str(params["remote_host"]), int(params["remote_port"]),
-                                   str(params["remote_request_id"])))
+                                   str(params["remote_request_id"]), int(params.get("remote_ptp_size") or 1)))
 
     def build_connector_meta(self, scheduler_output) -> PullMetadata:
         meta = PullMetadata(self._recv, self._send, self._free,

@@ -21,6 +21,8 @@ import structlog
 from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings, RecvPlan
 from ascendserve.connectors.kv.stats import StatsRecorder
+from ascendserve.connectors.kv.tp_map import plan as plan_heads
+from ascendserve.connectors.kv.tp_map import source_ranks
 from ascendserve.connectors.transport import make_transport
 from ascendserve.connectors.transport.channel import ChannelClient, ChannelServer
 from ascendserve.connectors.transport.threads import unpin_current_thread
@@ -45,8 +47,9 @@ class _Held:
 
 class PullWorker:
     def __init__(self, settings: PullSettings, token: str, tp_rank: int, producer: bool,
-                 hold_wait_s: float = HOLD_WAIT_S):
+                 hold_wait_s: float = HOLD_WAIT_S, tp_size: int = 1, total_kv_heads: int | None = None):
         self.settings, self.token, self.tp_rank, self.producer = settings, token, tp_rank, producer
+        self.tp_size, self.total_kv_heads = tp_size, total_kv_heads
         self.hold_wait_s = hold_wait_s
         self.kv: PagedKV | None = None
         self.server: ChannelServer | None = None
@@ -199,19 +202,39 @@ class PullWorker:
         return self.stats.take(held)
 
     # ---- consumer --------------------------------------------------------
+    def _sources(self, plan: RecvPlan) -> list[tuple[int, tuple[int, int, int] | None]]:
+        """(P rank, head run or None for whole pages) to read, for this D rank."""
+        if plan.remote_tp == self.tp_size:
+            return [(self.tp_rank, None)]
+        total = self.total_kv_heads or self.kv.num_heads * self.tp_size
+        out = []
+        for seg in plan_heads(total, plan.remote_tp, self.tp_size, self.tp_rank, plan.remote_request_id):
+            whole = seg.p_head == 0 and seg.d_head == 0 and seg.heads == self.kv.num_heads
+            out.append((seg.p_rank, None if whole else (seg.p_head, seg.d_head, seg.heads)))
+        return out
+
     def _pull(self, plan: RecvPlan) -> None:
-        port = plan.port + self.tp_rank
         ok = False
         started = time.monotonic()
-        log.debug("KV pull starting", request=plan.request_id, peer=f"{plan.host}:{port}", blocks=len(plan.local_blocks))
+        log.debug("KV pull starting", request=plan.request_id, peer=f"{plan.host}:{plan.port}",
+                  blocks=len(plan.local_blocks), remote_tp=plan.remote_tp)
         moved = 0
         try:
-            if plan.local_blocks:
-                moved = self.client.pull(plan.host, port, plan.remote_request_id, plan.remote_blocks,
-                                         plan.local_blocks)
-            ok = True
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the scheduler
-            log.warning("KV pull failed", request=plan.request_id, peer=f"{plan.host}:{port}", error=str(exc))
+            ranks = source_ranks(plan.remote_tp, self.tp_size, self.tp_rank) if plan.remote_tp != self.tp_size \
+                else range(self.tp_rank, self.tp_rank + 1)
+        except ValueError as exc:  # P_tp not a multiple of D_tp: fail by policy, say why
+            ranks = range(plan.remote_tp) if self.tp_rank == 0 else range(0)
+            log.warning("KV pull failed", request=plan.request_id, peer=f"{plan.host}:{plan.port}", error=str(exc))
+        else:
+            try:
+                if plan.local_blocks:
+                    for p_rank, heads in self._sources(plan):
+                        moved += self.client.pull(plan.host, plan.port + p_rank, plan.remote_request_id,
+                                                  plan.remote_blocks, plan.local_blocks, heads)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - every failure must reach the scheduler
+                log.warning("KV pull failed", request=plan.request_id, peer=f"{plan.host}:{plan.port}",
+                            error=str(exc))
         seconds = time.monotonic() - started
         with self._lock:
             self._pending -= 1
@@ -227,4 +250,5 @@ class PullWorker:
                      ms=round(seconds * 1000, 2), gbps=round(moved / seconds / 1e9, 3) if seconds > 0 else None,
                      transport=self.settings.transport)
         # after D's engine may go on: P's release is off the critical path
-        self.client.free(plan.host, port, plan.remote_request_id)
+        for p_rank in ranks:
+            self.client.free(plan.host, plan.port + p_rank, plan.remote_request_id)

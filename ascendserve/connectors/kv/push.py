@@ -63,10 +63,14 @@ class AscendPushConnector(KVConnectorBase_V1):
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        self._worker.save_kv_layer(layer_name)
+        meta = self._get_connector_metadata()
+        if isinstance(meta, PushMetadata):
+            self._worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save()
+        meta = self._get_connector_metadata()
+        if isinstance(meta, PushMetadata):
+            self._worker.wait_for_save(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recvd, failed = self._worker.get_transfer_results()

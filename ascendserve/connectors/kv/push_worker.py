@@ -157,7 +157,6 @@ class PushWorker:
         self._expected: dict[str, _Expected] = {}
         self._recvd: set[str] = set()
         self._failed: set[str] = set()
-        self._plans: list[PushPlan] = []
         self._senders: list[_Sender] = []
         self._layers: dict[str, int] = {}
         self._idle_step = False
@@ -220,7 +219,10 @@ class PushWorker:
                 log.warning("pushed KV incomplete", request=request_id, missing_layers=missing)
             good = ok and not missing
             if good:
-                self.stats.transfer(exp.bytes, time.monotonic() - (exp.started or time.monotonic()))
+                seconds = time.monotonic() - (exp.started or time.monotonic())
+                self.stats.transfer(exp.bytes, seconds)
+                log.info("KV received", request=request_id, bytes=exp.bytes, ms=round(seconds * 1000, 2),
+                         transport="tcp")
             self._finish(request_id, good)
 
     def _finish(self, request_id: str, ok: bool) -> None:  # under the lock
@@ -233,8 +235,8 @@ class PushWorker:
 
     # ---- per step --------------------------------------------------------
     def start_load_kv(self, meta: PushMetadata) -> None:
+        """D: the requests now waiting for pushed KV (vLLM calls this after the forward)."""
         self._idle_step = meta.idle
-        self._plans = meta.push
         now = time.monotonic()
         with self._lock:
             for request_id, blocks in meta.expect.items():
@@ -245,11 +247,12 @@ class PushWorker:
             if meta.expect:
                 self._changed.notify_all()
 
-    def save_kv_layer(self, layer_name: str) -> None:
+    def save_kv_layer(self, layer_name: str, meta: PushMetadata) -> None:
+        """P: called right after each attention layer of this step's forward."""
         layer = self._layers.get(layer_name)
-        if layer is None or not self._plans:
+        if layer is None or not meta.push:
             return
-        for plan in self._plans:
+        for plan in meta.push:
             if not plan.local_blocks:
                 continue
             sender = self._sender(plan)
@@ -259,11 +262,11 @@ class PushWorker:
                 log.warning("push queue full; abandoning the push of a request", request=plan.request_id)
                 sender.put(("ABANDON", plan.host, plan.port + self.tp_rank, plan.request_id))
 
-    def wait_for_save(self) -> None:
-        for plan in self._plans:
+    def wait_for_save(self, meta: PushMetadata) -> None:
+        """P: end of the step's forward; the pages are copied out, nothing to wait for."""
+        for plan in meta.push:
             if plan.last:
                 self._sender(plan).put(("PUSHED", plan.host, plan.port + self.tp_rank, plan.request_id))
-        self._plans = []
 
     def _sender(self, plan: PushPlan) -> _Sender:
         return self._senders[hash((plan.host, plan.port)) % len(self._senders)]

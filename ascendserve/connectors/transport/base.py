@@ -36,13 +36,16 @@ class Pages(Protocol):
 
     def layout(self) -> dict: ...
 
-    def nbytes(self, n_blocks: int) -> int: ...
+    num_heads: int
+    head_bytes: int
 
-    def staging(self, n_blocks: int) -> np.ndarray: ...
+    def nbytes(self, n_blocks: int, heads: int | None = None) -> int: ...
 
-    def gather_into(self, block_ids: list[int], out: np.ndarray) -> None: ...
+    def staging(self, n_blocks: int, heads: int | None = None) -> np.ndarray: ...
 
-    def scatter(self, block_ids: list[int], src: np.ndarray) -> None: ...
+    def gather_into(self, block_ids: list[int], out: np.ndarray, heads: tuple[int, int] | None = None) -> None: ...
+
+    def scatter(self, block_ids: list[int], src: np.ndarray, heads: tuple[int, int] | None = None) -> None: ...
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of every layer's cache, for transports that register memory."""
@@ -83,14 +86,17 @@ class Transport(ABC):
         return {}
 
     @abstractmethod
-    def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int]) -> None:
-        """Producer: deliver the pinned pages of one READ to the consumer on `conn`."""
+    def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
+                   heads: tuple[int, int] | None) -> None:
+        """Producer: deliver the pinned pages of one READ (only heads (first, count) of
+        each page when given) to the consumer on `conn`."""
 
     @abstractmethod
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int]) -> int:
-        """Consumer: after READ was sent on `sock`, land the remote pages in `local_blocks`;
-        return the bytes moved. Raise TransferError (or OSError/FrameError) on failure."""
+              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
+        """Consumer: after READ was sent on `sock`, land the remote pages in `local_blocks`
+        (heads = (first on P, first here, count) for a head run); return the bytes moved.
+        Raise TransferError (or OSError/FrameError) on failure."""
 
     def close(self) -> None:
         return None

@@ -145,16 +145,22 @@ class ChannelServer:
                 elif kind == "READ":
                     if transport is None:
                         return self._reject(conn, peer, "READ on a control session (HELLO without a layout)")
-                    blocks = msg.get("blocks")
+                    blocks, heads = msg.get("blocks"), msg.get("heads")
                     if not isinstance(blocks, list) or not all(type(b) is int for b in blocks):
                         return self._reject(conn, peer, "READ blocks must be a list of integers")
+                    if heads is not None and not (isinstance(heads, list) and len(heads) == 2
+                                                  and all(type(h) is int for h in heads)
+                                                  and 0 <= heads[0] and 1 <= heads[1]
+                                                  and heads[0] + heads[1] <= self.pages.num_heads):
+                        return self._reject(conn, peer, f"READ heads must be [first, count] within "
+                                                        f"{self.pages.num_heads} heads")
                     try:
                         self.holds.acquire(request_id, blocks)
                     except (KeyError, ValueError) as exc:
                         send_frame(conn, {"type": "ERR", "reason": str(exc).strip("'\"")})
                         continue
                     try:
-                        transport.serve_read(conn, self.pages, blocks)
+                        transport.serve_read(conn, self.pages, blocks, tuple(heads) if heads else None)
                     finally:
                         self.holds.release(request_id)
                 elif kind == "FREE":
@@ -212,14 +218,18 @@ class ChannelClient:
             self._idle.setdefault((host, port), []).append(conn)
 
     def pull(self, host: str, port: int, request_id: str, remote_blocks: list[int],
-             local_blocks: list[int]) -> int:
-        """Land the pages of `remote_blocks` of a held request in `local_blocks`; bytes moved."""
+             local_blocks: list[int], heads: tuple[int, int, int] | None = None) -> int:
+        """Land the pages of `remote_blocks` of a held request in `local_blocks`; bytes moved.
+        `heads` = (first on P, first here, count) moves one run of KV heads of each page."""
         if len(remote_blocks) != len(local_blocks):
             raise TransferError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote")
         sock, offer = self._connect(host, port)
         try:
-            send_frame(sock, {"type": "READ", "request_id": request_id, "blocks": remote_blocks})
-            moved = self.transport.fetch(sock, offer, self.pages, remote_blocks, local_blocks)
+            read = {"type": "READ", "request_id": request_id, "blocks": remote_blocks}
+            if heads is not None:
+                read["heads"] = [heads[0], heads[2]]
+            send_frame(sock, read)
+            moved = self.transport.fetch(sock, offer, self.pages, remote_blocks, local_blocks, heads)
         except (OSError, FrameError, TransferError) as exc:
             sock.close()  # its state is unknown after a failure
             raise TransferError(f"KV read of {request_id} from {host}:{port} failed: {exc}") from None

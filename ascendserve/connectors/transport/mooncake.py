@@ -29,16 +29,24 @@ def _runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def segments(remote_bases: list[int], local_bases: list[int], page_bytes: int, remote: list[int],
-             local: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """(local addresses, remote addresses, lengths) of every copy a transfer needs."""
+def segments(remote_bases: list[int], local_bases: list[int], remote_page: int, local_page: int,
+             remote: list[int], local: list[int], head_bytes: int = 0,
+             heads: tuple[int, int, int] | None = None) -> tuple[list[int], list[int], list[int]]:
+    """(local addresses, remote addresses, lengths) of every copy a transfer needs: runs of
+    whole pages, or with `heads` = (first on P, first here, count) one head run per page."""
     dst, src, lengths = [], [], []
-    runs = _runs(remote, local)
     for rb, lb in zip(remote_bases, local_bases):
-        for r, lo, n in runs:
-            src.append(rb + r * page_bytes)
-            dst.append(lb + lo * page_bytes)
-            lengths.append(n * page_bytes)
+        if heads is None:
+            for r, lo, n in _runs(remote, local):
+                src.append(rb + r * remote_page)
+                dst.append(lb + lo * local_page)
+                lengths.append(n * remote_page)
+        else:
+            p_first, d_first, n = heads
+            for r, lo in zip(remote, local):
+                src.append(rb + r * remote_page + p_first * head_bytes)
+                dst.append(lb + lo * local_page + d_first * head_bytes)
+                lengths.append(n * head_bytes)
     return dst, src, lengths
 
 
@@ -57,21 +65,24 @@ class MooncakeTransport(Transport):
             raise TransferError(f"Mooncake TransferEngine failed to initialize on {hostname} ({protocol})")
         self.session = f"{hostname}:{self.engine.get_rpc_port()}"
         self.regions = pages.regions()
+        self.page_bytes = pages.page_bytes
         for addr, size in self.regions:
             if self.engine.register_memory(addr, size) != 0:
                 raise TransferError(f"Mooncake could not register {size} bytes of KV cache")
 
     def offer(self) -> dict:
-        return {"mooncake": {"session": self.session, "bases": [a for a, _ in self.regions]}}
+        return {"mooncake": {"session": self.session, "bases": [a for a, _ in self.regions],
+                             "page_bytes": self.page_bytes}}
 
-    def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int]) -> None:
+    def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
+                   heads: tuple[int, int] | None) -> None:
         send_frame(conn, {"type": "GRANT"})
         done = read_frame(conn, 0)  # the blocks stay pinned until D has read them
         if done["type"] != "DONE":
             raise TransferError(f"expected DONE after GRANT, got {done['type']}")
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int]) -> int:
+              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
         peer = offer.get("mooncake")
         if not isinstance(peer, dict) or len(peer.get("bases", ())) != len(self.regions):
             raise TransferError("producer does not offer the mooncake transport (start it with transport=mooncake)")
@@ -79,8 +90,8 @@ class MooncakeTransport(Transport):
         if answer["type"] != "GRANT":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
         try:
-            dst, src, lengths = segments(peer["bases"], [a for a, _ in self.regions], pages.page_bytes,
-                                         remote_blocks, local_blocks)
+            dst, src, lengths = segments(peer["bases"], [a for a, _ in self.regions], int(peer["page_bytes"]),
+                                         pages.page_bytes, remote_blocks, local_blocks, pages.head_bytes, heads)
             rc = self.engine.batch_transfer_sync_read(peer["session"], dst, src, lengths)
         finally:
             send_frame(sock, {"type": "DONE"})

