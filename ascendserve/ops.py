@@ -18,7 +18,7 @@ import numpy as np
 
 def gather_pages(layers: list[np.ndarray], block_ids: np.ndarray, out: np.ndarray) -> None:
     for i, layer in enumerate(layers):
-        np.take(layer, block_ids, axis=0, out=out[i])
+        np.take(layer, block_ids, axis=0, out=out[i], mode="clip")  # ids checked by the caller; "raise" is 5x slower
 
 
 def scatter_pages(layers: list[np.ndarray], block_ids: np.ndarray, src: np.ndarray) -> None:

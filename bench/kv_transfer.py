@@ -11,8 +11,9 @@ One run measures, on a tiny-but-wide model (16 layers, 8 KV heads of 64, fp32:
    (PullWorker on both sides, vLLM's CPU page layout).
 2. TTFT of the same 4k prompt (streamed, max_tokens 2, a fresh prompt each
    time so no prefix cache helps): plain vLLM (monolithic), 1P1D through our
-   proxy with our pull connector over each transport, our layerwise push
-   connector, and vLLM's ExampleConnector. Each 1P1D figure is checked against
+   proxy with our pull connector and our layerwise push connector over each
+   transport, and vLLM's ExampleConnector. P computes on core 0 and D on
+   core 1 (VLLM_CPU_OMP_THREADS_BIND), as if on two hosts. Each 1P1D figure is checked against
    monolithic TTFT + 1.2 x (KV bytes / that transport's measured bandwidth).
 vLLM's own MooncakeConnector is not in the table: on CPU-only torch it dies
 at start-up (torch.accelerator.current_device_index(), an upstream defect).
@@ -47,33 +48,35 @@ def kv_caches(num_blocks: int, seed: int):
 
 
 # ---- floors ------------------------------------------------------------------
-def _sink(port_q, nbytes: int, rounds: int) -> None:
+def _source(port_q, nbytes: int, rounds: int) -> None:
+    """The producer side of the floor, in its own process like P: sendall on request."""
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    buf = memoryview(bytearray(nbytes))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    data = memoryview(np.random.randint(0, 255, nbytes, dtype=np.uint8))
     for _ in range(rounds):
-        got = 0
-        while got < nbytes:
-            got += conn.recv_into(buf[got:], nbytes - got)
-        conn.sendall(b"k")
+        conn.recv(1)
+        conn.sendall(data)
     conn.close()
 
 
 def raw_socket_gbps(nbytes: int, repeat: int) -> float:
+    """One request's bytes over one loopback socket: sendall in a child, recv_into here."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_sink, args=(q, nbytes, repeat + 1))
+    proc = ctx.Process(target=_source, args=(q, nbytes, repeat + 1))
     proc.start()
     sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-    data = memoryview(np.random.randint(0, 255, nbytes, dtype=np.uint8))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    buf = memoryview(np.empty(nbytes, dtype=np.uint8))
     samples = []
     for i in range(repeat + 1):
         t = time.perf_counter()
-        sock.sendall(data)
-        sock.recv(1)
+        sock.sendall(b"g")
+        got = 0
+        while got < nbytes:
+            got += sock.recv_into(buf[got:], nbytes - got)
         if i:
             samples.append(nbytes / (time.perf_counter() - t) / 1e9)
     sock.close()
@@ -182,7 +185,11 @@ def measure(url: str, model: str, tokens: int, repeat: int, salt: int) -> float:
 def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, float]:
     from tests.procs import ascendserve, control, plain_vllm, start_all
 
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    # P (and the monolithic instance) compute on core 0, D waits on core 1, as on separate
+    # hosts: two vLLM workers bound to one core would halve each other (vLLM's workers
+    # busy-poll for a second after every step)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    d_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}
     m = str(model)
     out: dict[str, float] = {}
     salt = 1
@@ -196,12 +203,12 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, f
     def pair(label_transport: list[tuple[str, str]], connector: str, p_extra=(), proxy_extra=()):
         nonlocal salt
         common = ("--kv-connector", connector, "--cluster-token", TOKEN, "--log-format", "json")
-        p = ascendserve("prefill", model, logs, *common, *p_extra, name=f"prefill-{connector}", env=env)
+        p = ascendserve("prefill", model, logs, *common, *p_extra, name=f"prefill-{connector}-{salt}", env=env)
         start_all(p)
         try:
             for label, transport in label_transport:
                 d = ascendserve("decode", model, logs, *common, "--kv-transport", transport,
-                                name=f"decode-{connector}-{transport}", env=env)
+                                name=f"decode-{connector}-{transport}", env=d_env)
                 start_all(d)
                 try:
                     proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{p.port}", "--decode",
@@ -222,7 +229,10 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, f
     meta = control("metaserver", logs, "--cluster-token", TOKEN)
     start_all(meta)
     try:
-        pair([("1P1D push tcp (layerwise)", "tcp")], "push", proxy_extra=("--mode", "push", "--metaserver-url", meta.url))
+        for t in TRANSPORTS:
+            if t != "mooncake" or _has_mooncake():
+                pair([(f"1P1D push {t} (layerwise)", t)], "push", p_extra=("--kv-transport", t),
+                     proxy_extra=("--mode", "push", "--metaserver-url", meta.url))
     finally:
         meta.stop()
     kv_dir = logs / "example-kv"
@@ -235,6 +245,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096 - 16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-e2e", action="store_true", help="bandwidth only (no vLLM instances)")
+    ap.add_argument("--keep-logs", default="", help="directory to keep the instances' logs in")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     blocks_n = -(-args.tokens // BLOCK)
@@ -257,9 +268,10 @@ def main() -> None:
     if not args.skip_e2e:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            (root / "logs").mkdir()
+            logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
             model = build_model(root)
-            e2e = end_to_end(model, root / "logs", args.tokens, args.repeat)
+            e2e = end_to_end(model, logs, args.tokens, args.repeat)
         mono = e2e["monolithic (plain vLLM)"]
         rows = []
         for label, v in e2e.items():

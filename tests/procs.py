@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,3 +173,39 @@ def completion_ids(url: str, model: str, prompt: str, max_tokens: int = 16, time
         **extra})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
+
+
+@contextmanager
+def pd_cluster(model: Path, log_dir: Path, p_args=(), d_args=(), proxy_args=(), p_env=None, d_env=None):
+    """A prefill, a decode and a proxy in front of them; stopped on exit."""
+    prefill = ascendserve("prefill", model, log_dir, *p_args, env=p_env)
+    decode = ascendserve("decode", model, log_dir, *d_args, env=d_env)
+    procs = [prefill, decode]
+    try:
+        start_all(prefill, decode)
+        proxy = control("proxy", log_dir, "--prefill", f"127.0.0.1:{prefill.port}", "--decode",
+                        f"127.0.0.1:{decode.port}", *proxy_args)
+        procs.append(proxy)
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
+        yield prefill, decode, proxy
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def concurrent_ids(url: str, model: str, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
+    """Greedy ids of all prompts sent at once (one completion each); asserts every 200."""
+    import asyncio
+
+    async def one(client, prompt):
+        r = await client.post(url + "/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    return asyncio.run(all_at_once())

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import ascendserve, completion_ids, control, kv_usage, start_all, wait_for
+from tests.procs import completion_ids, kv_usage, pd_cluster, wait_for
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-failure-token"
@@ -34,22 +34,10 @@ LONG = "".join(f"Sentence {i} of a long prompt that keeps the prefill busy for a
 
 @pytest.fixture(scope="module")
 def cluster(text_model, text_oracle, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("kv-failure-logs")
     common = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
-    prefill = ascendserve("prefill", text_model, logs, *common, "--kv-ttl", str(TTL_S))
-    decode = ascendserve("decode", text_model, logs, *common)
-    procs = [prefill, decode]
-    try:
-        start_all(prefill, decode)
-        proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}", "--decode",
-                        f"127.0.0.1:{decode.port}", "--cluster-token", TOKEN)
-        procs.append(proxy)
-        start_all(proxy)
-        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
+    with pd_cluster(text_model, tmp_path_factory.mktemp("kv-failure-logs"), (*common, "--kv-ttl", str(TTL_S)),
+                    common, ("--cluster-token", TOKEN)) as (prefill, decode, proxy):
         yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model)}
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def restart(proc) -> None:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
-from tests.procs import ascendserve, completion_ids, control, kv_usage, start_all, wait_for
+from tests.procs import completion_ids, kv_usage, pd_cluster, wait_for
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-tp-token"
@@ -22,23 +21,11 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def tp_cluster(text_model, text_oracle, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("kv-tp-logs")
     common = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
-    prefill = ascendserve("prefill", text_model, logs, *common, "--tensor-parallel-size", "2",
-                          env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    decode = ascendserve("decode", text_model, logs, *common)
-    procs = [prefill, decode]
-    try:
-        start_all(prefill, decode)
-        proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}", "--decode",
-                        f"127.0.0.1:{decode.port}", "--cluster-token", TOKEN)
-        procs.append(proxy)
-        start_all(proxy)
-        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
+    with pd_cluster(text_model, tmp_path_factory.mktemp("kv-tp-logs"), (*common, "--tensor-parallel-size", "2"),
+                    common, ("--cluster-token", TOKEN),
+                    p_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as (prefill, decode, proxy):
         yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model)}
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.mark.parametrize("prompt", [

@@ -8,7 +8,6 @@ D frees them, and the side channel's refusals.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import socket
@@ -16,7 +15,7 @@ import socket
 import httpx
 import pytest
 
-from tests.procs import ascendserve, completion_ids, control, kv_usage, start_all, wait_for
+from tests.procs import ascendserve, completion_ids, concurrent_ids, control, kv_usage, start_all, wait_for
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-test-token"
@@ -37,7 +36,8 @@ def prefill(text_model, tmp_path_factory):
     """One P for every transport: configured for mooncake, it offers tcp and shm too."""
     transport = "mooncake" if importlib.util.find_spec("mooncake") else "tcp"
     p = ascendserve("prefill", text_model, tmp_path_factory.mktemp("kv-pull-p"), *COMMON, "--kv-ttl", "120",
-                    "--kv-transport", transport)
+                    "--kv-transport", transport,
+                    "--vllm-arg=--max-num-batched-tokens=1024")  # long prompts prefill in several chunks
     start_all(p)
     yield p
     p.stop()
@@ -95,20 +95,7 @@ def test_32_concurrent_requests(pull_cluster):
                for i in range(32)]
     expected = [ids(c["oracle"].url, c["model"], p) for p in prompts]
     before = pulls(c)
-
-    async def one(client, prompt):
-        r = await client.post(c["proxy"].url + "/v1/completions", json={
-            "model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True})
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
-
-    async def all_at_once():
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
-
-    got = asyncio.run(all_at_once())
-    assert got == expected
+    assert concurrent_ids(c["proxy"].url, c["model"], prompts, MAX_TOKENS) == expected
     assert pulls(c) == before + 32
 
 

@@ -10,13 +10,13 @@ goes back to the pool afterwards.
 
 from __future__ import annotations
 
-import asyncio
+import importlib.util
 import json
 
 import httpx
 import pytest
 
-from tests.procs import ascendserve, completion_ids, control, kv_usage, start_all, wait_for
+from tests.procs import completion_ids, concurrent_ids, control, kv_usage, pd_cluster, start_all, wait_for
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-push-token"
@@ -29,28 +29,26 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def push_cluster(text_model, text_oracle, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("kv-push-logs")
+TRANSPORTS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None, reason="mooncake-transfer-engine not installed"))]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def push_cluster(request, text_model, text_oracle, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"kv-push-{request.param}")
     meta = control("metaserver", logs, "--cluster-token", TOKEN)
     start_all(meta)
-    common = ("--kv-connector", "push", "--cluster-token", TOKEN, "--log-format", "json",
+    common = ("--kv-connector", "push", "--kv-transport", request.param, "--cluster-token", TOKEN,
+              "--log-format", "json",
               # a small chunk so long prompts take several steps, each pushed layer by layer
               "--vllm-arg=--max-num-batched-tokens=1024")
-    prefill = ascendserve("prefill", text_model, logs, *common)
-    decode = ascendserve("decode", text_model, logs, *common)
-    procs = [meta, prefill, decode]
     try:
-        start_all(prefill, decode)
-        proxy = control("proxy", logs, "--mode", "push", "--metaserver-url", meta.url, "--cluster-token", TOKEN,
-                        "--prefill", f"127.0.0.1:{prefill.port}", "--decode", f"127.0.0.1:{decode.port}")
-        procs.append(proxy)
-        start_all(proxy)
-        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
-        yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy, "model": str(text_model)}
+        with pd_cluster(text_model, logs, common, common, ("--mode", "push", "--metaserver-url", meta.url,
+                                                          "--cluster-token", TOKEN)) as (prefill, decode, proxy):
+            yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy,
+                   "model": str(text_model), "transport": request.param}
     finally:
-        for p in procs:
-            p.stop()
+        meta.stop()
 
 
 def events(proc, name: str) -> list[dict]:
@@ -58,14 +56,19 @@ def events(proc, name: str) -> list[dict]:
             if e.get("event") == name]
 
 
+def received(c) -> int:
+    """Pushes D took in whole over the transport under test."""
+    return sum(1 for e in events(c["decode"], "KV received") if e.get("transport") == c["transport"])
+
+
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_push_equals_plain_vllm(push_cluster, name):
     c, prompt = push_cluster, PROMPTS[name]
-    received_before = len(events(c["decode"], "KV received"))
+    received_before = received(c)
     assert completion_ids(c["proxy"].url, c["model"], prompt, MAX_TOKENS) == \
         completion_ids(c["oracle"].url, c["model"], prompt, MAX_TOKENS)
     # the tokens came from pushed KV, not from a local recompute after a failed push
-    assert len(events(c["decode"], "KV received")) == received_before + 1
+    assert received(c) == received_before + 1
     assert not events(c["decode"], "pushed KV incomplete")
 
 
@@ -74,21 +77,9 @@ def test_32_concurrent_requests(push_cluster):
     prompts = [f"Request {i}: tell me a story about the number {i * 7} and the colour of the sky. " * (1 + i % 5)
                for i in range(32)]
     expected = [completion_ids(c["oracle"].url, c["model"], p, MAX_TOKENS) for p in prompts]
-
-    async def one(client, prompt):
-        r = await client.post(c["proxy"].url + "/v1/completions", json={
-            "model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True})
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
-
-    async def all_at_once():
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
-
-    received_before = len(events(c["decode"], "KV received"))
-    assert asyncio.run(all_at_once()) == expected
-    assert len(events(c["decode"], "KV received")) == received_before + 32
+    received_before = received(c)
+    assert concurrent_ids(c["proxy"].url, c["model"], prompts, MAX_TOKENS) == expected
+    assert received(c) == received_before + 32
     assert not events(c["decode"], "pushed KV never completed; failing the load")
 
 

@@ -16,6 +16,7 @@ from ascendserve.connectors.transport.channel import ChannelClient, free_remote
 from ascendserve.connectors.transport.mooncake import segments
 from ascendserve.connectors.transport.tcp import TcpTransport
 from ascendserve.protocol import frames
+from tests.kvtools import results_until
 
 HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 TRANSPORTS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
@@ -39,18 +40,6 @@ def pair(request):
     d.register_kv_caches(caches(2))
     yield p, d, p.server.port
     p.shutdown(), d.shutdown()
-
-
-def results_until(worker, pred, timeout=10.0):
-    got = [set(), set(), set()]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for acc, new in zip(got, worker.get_transfer_results()):
-            acc |= new
-        if pred(got):
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"not reached: {got}")
 
 
 def shm_segments() -> set[str]:

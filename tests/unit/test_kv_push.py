@@ -1,6 +1,7 @@
 """Layerwise push without vLLM: the planner's block ranges per step, and PushWorker
 P -> D over a real loopback side channel."""
 
+import importlib.util
 import time
 from types import SimpleNamespace
 
@@ -11,12 +12,17 @@ from ascendserve.connectors.kv.pull_plan import PullSettings
 from ascendserve.connectors.kv.push_plan import PushMetadata, PushPlan, PushPlanner
 from ascendserve.connectors.kv.push_worker import PushWorker
 from ascendserve.protocol.kv_params import base_request_id
+from tests.kvtools import results_until
 
 BS = 4
 
 
-def settings(ttl_s=30.0):
-    return PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=ttl_s)
+def settings(ttl_s=30.0, transport="tcp"):
+    return PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=ttl_s, transport=transport)
+
+
+TRANSPORTS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None, reason="mooncake-transfer-engine not installed"))]
 
 
 def caches(seed, blocks=16, layers=3):
@@ -76,26 +82,14 @@ def test_planner_finds_its_prompt_in_a_batch():
     assert base_request_id("cmpl-x-1-bbbbbbbb") == "cmpl-x-1" and base_request_id("chatcmpl-abc") == "chatcmpl-abc"
 
 
-@pytest.fixture()
-def pair():
-    d = PushWorker(settings(), "tok", tp_rank=0, producer=False, expect_wait_s=2.0)
+@pytest.fixture(params=TRANSPORTS)
+def pair(request):
+    d = PushWorker(settings(transport=request.param), "tok", tp_rank=0, producer=False, expect_wait_s=2.0)
     d.register_kv_caches(caches(2))
-    p = PushWorker(settings(), "tok", tp_rank=0, producer=True)
+    p = PushWorker(settings(transport=request.param), "tok", tp_rank=0, producer=True)
     p.register_kv_caches(caches(1))
     yield p, d, d.server.port
     p.shutdown(), d.shutdown()
-
-
-def results_until(worker, pred, timeout=10.0):
-    got = [set(), set(), set()]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for acc, new in zip(got, worker.get_transfer_results()):
-            acc |= new
-        if pred(got):
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"not reached: {got}")
 
 
 def run_step(p, plans):
@@ -123,7 +117,9 @@ def test_push_into_blocks_not_reserved_fails_the_request(pair):
     run_step(p, [PushPlan("r", [1], [10], "127.0.0.1", port, last=True)])
     _, recvd, failed = results_until(d, lambda g: "r" in g[1])
     assert "r" in failed
-    assert not torch.equal(p.kv.layers[0][1], d.kv.layers[0][10])
+    if d.settings.transport != "mooncake":  # a one-sided write lands before D can look at it:
+        # with mooncake, D's safety is that P writes only the blocks D itself sent
+        assert not torch.equal(p.kv.layers[0][1], d.kv.layers[0][10])
 
 
 def test_missing_layers_fail_and_deadline_expires():
@@ -164,3 +160,34 @@ def test_dead_decode_does_not_block_the_producer():
         assert stats is not None and stats.data["failures"] == 1  # the sender gave up, counted
     finally:
         p.shutdown()
+
+
+def test_tp_mismatch_abandons_the_push_and_decode_fails_fast(pair):
+    p, d, port = pair
+    planner = PushPlanner(settings(), "e", 2, BS)  # this P runs TP 2; D says TP 1
+    req = prefill_request("p9", 4, [3])
+    req.kv_transfer_params.update(remote_port=port, remote_tp_size=1, request_id="D-p9")
+    planner.update_state_after_alloc(req, None, 0)
+    meta = planner.build_connector_meta(step(new=[("p9", [1], 0)], scheduled={"p9": 4}))
+    assert meta.push[0].abandon
+    d.start_load_kv(PushMetadata(expect={"D-p9": [3]}))
+    run_step(p, meta.push)
+    _, _, failed = results_until(d, lambda g: "D-p9" in g[1], timeout=5)
+    assert "D-p9" in failed
+
+
+def test_producer_gone_mid_push_fails_at_once(pair):
+    import socket as _socket
+
+    from ascendserve.protocol import frames
+
+    _, d, port = pair
+    d.start_load_kv(PushMetadata(expect={"r": [1, 2]}))
+    with _socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        frames.send_frame(s, {"type": "HELLO", "token": "tok", "layout": d.kv.layout(), "transport": "tcp"})
+        assert frames.read_frame(s, 0)["type"] == "OK"
+        frames.send_frame(s, {"type": "PUSH", "request_id": "r", "layer": 0, "blocks": [1]},
+                          d.kv.gather_layer(0, [5]).tobytes())
+    started = time.monotonic()
+    _, _, failed = results_until(d, lambda g: "r" in g[1], timeout=5)
+    assert "r" in failed and time.monotonic() - started < 5  # long before its 30 s deadline

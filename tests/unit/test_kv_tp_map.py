@@ -10,6 +10,7 @@ import torch
 from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings, RecvPlan
 from ascendserve.connectors.kv.pull_worker import PullWorker
 from ascendserve.connectors.kv.tp_map import Segment, check_tp, local_heads, plan, source_ranks
+from tests.kvtools import results_until
 
 LAYERS, BLOCKS, BS, HD = 3, 12, 8, 32
 
@@ -63,18 +64,6 @@ def free_port_run(n: int) -> int:
     raise RuntimeError("no free port run")
 
 
-def results_until(worker, name, timeout=15.0):
-    got = [set(), set(), set()]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for acc, new in zip(got, worker.get_transfer_results()):
-            acc |= new
-        if name in got[1]:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"{name} never finished: {got}")
-
-
 @pytest.mark.parametrize("transport", ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
     importlib.util.find_spec("mooncake") is None, reason="mooncake-transfer-engine not installed"))])
 @pytest.mark.parametrize("heads,p_tp,d_tp", [(4, 2, 1), (4, 4, 2), (2, 4, 1), (2, 4, 2), (1, 2, 1), (2, 2, 2)])
@@ -96,7 +85,7 @@ def test_each_decode_rank_gets_exactly_its_heads(transport, heads, p_tp, d_tp):
                                                         remote_tp=p_tp)]))
             consumers.append(w)
         for d, w in enumerate(consumers):
-            _, _, failed = results_until(w, "req-d")
+            _, _, failed = results_until(w, lambda g: "req-d" in g[1], 15)
             assert not failed
             first, n = local_heads(heads, d_tp, d)
             for layer, (src, dst) in enumerate(zip(full_p, w.kv.layers)):
@@ -121,7 +110,7 @@ def test_decode_refuses_a_prefill_tp_it_cannot_map():
     w.register_kv_caches(shard(full_kv(4, 1), 4, 2, 0))
     try:
         w.start_load_kv(PullMetadata(recv=[RecvPlan("r", [1], [1], "127.0.0.1", 1, "x", remote_tp=3)]))
-        _, _, failed = results_until(w, "r")
+        _, _, failed = results_until(w, lambda g: "r" in g[1])
         assert "r" in failed
     finally:
         w.shutdown()

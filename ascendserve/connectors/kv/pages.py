@@ -110,8 +110,29 @@ class PagedKV:
         """A copy of one layer's pages: [len(block_ids), page_bytes]."""
         return self._bytes_views()[layer][self._index(block_ids)]
 
-    def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray) -> None:
-        self._bytes_views()[layer][self._index(block_ids)] = src
+    def gather_layer_into(self, layer: int, block_ids: list[int], out: np.ndarray,
+                          heads: tuple[int, int] | None = None) -> None:
+        view, idx = self._bytes_views()[layer], self._index(block_ids)
+        if heads is None:
+            np.take(view, idx, axis=0, out=out, mode="clip")  # ids checked by _index
+        else:
+            out[:] = view[idx, self._head_range(heads)]
+
+    def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray,
+                      heads: tuple[int, int] | None = None) -> None:
+        cols = self._head_range(heads) if heads is not None else slice(None)
+        self._bytes_views()[layer][self._index(block_ids), cols] = src
+
+    def page_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[list[memoryview]]:
+        """Per layer, the byte ranges of these pages (or of one head run of each) in the
+        caches themselves: sockets read and write them with no staging copy."""
+        idx = self._index(block_ids)
+        cols = self._head_range(heads) if heads is not None else slice(None)
+        return [[memoryview(view[b, cols]) for b in idx] for view in self._bytes_views()]
+
+    def layer_views(self, layer: int, block_ids: list[int]) -> list[memoryview]:
+        view = self._bytes_views()[layer]
+        return [memoryview(view[b]) for b in self._index(block_ids)]
 
     def regions(self) -> list[tuple[int, int]]:
         return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.layers]

@@ -62,7 +62,7 @@ def _flat_blocks(remote) -> list[int]:
 
 
 class PullPlanner:
-    def __init__(self, settings: PullSettings, engine_id: str, tp_size: int):
+    def __init__(self, settings: PullSettings, engine_id: str, tp_size: int, block_size: int = 0):
         self.settings, self.engine_id, self.tp_size = settings, engine_id, tp_size
         self._recv: list[RecvPlan] = []
         self._send: dict[str, tuple[list[int], float]] = {}

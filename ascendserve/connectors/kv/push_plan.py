@@ -37,6 +37,7 @@ class PushPlan:
     host: str
     port: int
     last: bool  # this step completes the prompt: send PUSHED after the layers
+    abandon: bool = False  # cannot push (e.g. TP mismatch): tell D at once, it recomputes
 
 
 @dataclass
@@ -53,6 +54,7 @@ class _Outgoing:
     blocks: list[int] = field(default_factory=list)  # P's blocks of the request so far
     skip: int = 0  # leading blocks D already had (its prefix cache)
     prompt_len: int = 0
+    abandon: bool = False
 
 
 class PushPlanner:
@@ -102,7 +104,13 @@ class PushPlanner:
             mine = base_request_id(request_id)
             target = next((v for k, v in batch.items() if base_request_id(str(k)) == mine), params)
         cached = int(target.get("remote_cached_tokens") or 0)
-        return _Outgoing(target=target, skip=cached // self.block_size, prompt_len=len(request.prompt_token_ids or ()))
+        out = _Outgoing(target=target, skip=cached // self.block_size, prompt_len=len(request.prompt_token_ids or ()))
+        d_tp = int(target.get("remote_tp_size") or self.tp_size)
+        if d_tp != self.tp_size:
+            log.warning("push mode needs the same TP on prefill and decode; decode will recompute",
+                        request=request_id, prefill_tp=self.tp_size, decode_tp=d_tp)
+            out.abandon = True
+        return out
 
     def _ask_for_prefill(self, url: str, body: dict) -> None:
         request_id = body["request_id"]
@@ -140,6 +148,11 @@ class PushPlanner:
             starts[req_id] = cached.num_computed_tokens[i]
         for req_id, start in starts.items():
             out = self._out[req_id]
+            if out.abandon:
+                meta.push.append(PushPlan(str(out.target.get("request_id")), [], [], str(out.target.get("remote_host")),
+                                          int(out.target.get("remote_port")), last=True, abandon=True))
+                del self._out[req_id]
+                continue
             end = min(start + scheduled.get(req_id, 0), out.prompt_len)
             if end <= start and start > 0:
                 continue

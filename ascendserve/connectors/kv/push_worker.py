@@ -18,14 +18,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.kv.pull_plan import PullSettings
 from ascendserve.connectors.kv.push_plan import PushMetadata, PushPlan
 from ascendserve.connectors.kv.stats import StatsRecorder
+from ascendserve.connectors.transport import make_transport
 from ascendserve.connectors.transport.base import TransferError
 from ascendserve.connectors.transport.channel import ChannelServer, _tune
+from ascendserve.connectors.transport.mooncake import page_addresses
 from ascendserve.connectors.transport.tcp import TcpTransport
 from ascendserve.connectors.transport.threads import unpin_current_thread
 from ascendserve.protocol.frames import FrameError, read_frame, send_frame
@@ -35,6 +38,7 @@ SENDER_THREADS = 4
 EXPECT_WAIT_S = 30.0  # a push may arrive before D's worker has heard of the request
 IDLE_STEP_WAIT_S = 0.005
 MAX_QUEUED_BYTES = 1 << 30  # per sender thread; beyond it a request's push is abandoned
+DIRECT_WAIT_S = 60.0  # longest a step waits for shm/mooncake pushes reading its pages
 
 
 @dataclass
@@ -55,6 +59,7 @@ class _Sender:
         self.queued = 0
         self.lock = threading.Lock()
         self.socks: dict[tuple[str, int], object] = {}
+        self.offers: dict[tuple[str, int], dict] = {}
         self.dead: set[str] = set()  # requests whose push was abandoned
         self.first_push: dict[str, float] = {}
         self.sent: dict[str, int] = {}
@@ -78,19 +83,47 @@ class _Sender:
             _tune(sock)
             sock.settimeout(60.0)
             send_frame(sock, {"type": "HELLO", "token": self.worker.token, "layout": self.worker.kv.layout(),
-                              "transport": "tcp"})
+                              "transport": self.worker.settings.transport})
             answer = read_frame(sock, 0)
             if answer["type"] != "OK":
                 sock.close()
                 raise TransferError(f"decode refused the push connection: {answer.get('reason')}")
             self.socks[(host, port)] = sock
+            self.offers[(host, port)] = answer
         return sock
+
+    def _push_direct(self, sock, host: str, port: int, request_id: str, layer: int, blocks: list[int],
+                     remote: list[int]) -> int:
+        """shm / mooncake: straight from P's pages (the step waits for these jobs)."""
+        kv = self.worker.kv
+        size = len(blocks) * kv.page_bytes
+        header = {"type": "PUSH", "request_id": request_id, "layer": layer, "blocks": remote}
+        if self.worker.settings.transport == "shm":
+            seg = self.worker.shm.segment_for(size)
+            out = np.ndarray((len(blocks), kv.page_bytes), dtype=np.uint8, buffer=seg.buf)
+            kv.gather_layer_into(layer, blocks, out)
+            del out
+            send_frame(sock, {**header, "shm": seg.name})
+            if read_frame(sock, 0)["type"] != "ACK":
+                raise TransferError("decode did not acknowledge a pushed layer")
+            return size
+        peer = self.offers[(host, port)].get("mooncake")
+        if not isinstance(peer, dict):
+            raise TransferError("decode does not offer the mooncake transport")
+        mc = self.worker.mooncake
+        src = page_addresses([a for a, _ in mc.regions], kv.page_bytes, layer, blocks)
+        dst = page_addresses(peer["bases"], int(peer["page_bytes"]), layer, remote)
+        if mc.engine.batch_transfer_sync_write(peer["session"], src, dst, [kv.page_bytes] * len(blocks)) != 0:
+            raise TransferError(f"Mooncake write to {peer['session']} failed")
+        send_frame(sock, {**header, "written": True})
+        return size
 
     def _run(self) -> None:
         unpin_current_thread()
         while (job := self.jobs.get()) is not None:
             kind, host, port, request_id = job[:4]
-            nbytes = job[6].nbytes if kind == "PUSH" else 0
+            data = job[6] if kind == "PUSH" else None
+            nbytes = data.nbytes if data is not None else 0
             try:
                 if kind == "ABANDON":  # tell D at once rather than at its deadline
                     self.dead.add(request_id)
@@ -107,11 +140,15 @@ class _Sender:
                     continue
                 sock = self._sock(host, port)
                 if kind == "PUSH":
-                    layer, blocks, data = job[4:7]
+                    layer, remote = job[4], job[5]
                     self.first_push.setdefault(request_id, time.monotonic())
-                    send_frame(sock, {"type": "PUSH", "request_id": request_id, "layer": layer, "blocks": blocks},
-                               memoryview(data.reshape(-1)))
-                    self.sent[request_id] = self.sent.get(request_id, 0) + nbytes
+                    if data is None:
+                        moved = self._push_direct(sock, host, port, request_id, layer, job[7], remote)
+                    else:
+                        send_frame(sock, {"type": "PUSH", "request_id": request_id, "layer": layer,
+                                          "blocks": remote}, memoryview(data.reshape(-1)))
+                        moved = nbytes
+                    self.sent[request_id] = self.sent.get(request_id, 0) + moved
                 else:
                     send_frame(sock, {"type": "PUSHED", "request_id": request_id, "ok": True})
                     if read_frame(sock, 0)["type"] != "OK":
@@ -136,8 +173,11 @@ class _Sender:
             finally:
                 with self.lock:
                     self.queued -= nbytes
+                if kind == "PUSH" and data is None:
+                    self.worker.direct_done()
 
     def stop(self) -> None:
+        self.offers.clear()
         self.jobs.put(None)
         self.thread.join(2.0)
         for sock in self.socks.values():
@@ -146,7 +186,7 @@ class _Sender:
 
 class PushWorker:
     def __init__(self, settings: PullSettings, token: str, tp_rank: int, producer: bool,
-                 expect_wait_s: float = EXPECT_WAIT_S):
+                 expect_wait_s: float = EXPECT_WAIT_S, tp_size: int = 1, total_kv_heads: int | None = None):
         self.settings, self.token, self.tp_rank, self.producer = settings, token, tp_rank, producer
         self.expect_wait_s = expect_wait_s
         self.kv: PagedKV | None = None
@@ -160,17 +200,28 @@ class PushWorker:
         self._senders: list[_Sender] = []
         self._layers: dict[str, int] = {}
         self._idle_step = False
+        self._direct = 0  # shm/mooncake pushes of this step still reading P's pages
+        self.shm = None
+        self.mooncake = None
 
     # ---- set-up ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.kv = PagedKV(kv_caches)
         self._layers = self.kv.layer_index()
+        transport = self.settings.transport
+        if transport == "mooncake":
+            self.mooncake = make_transport("mooncake", self.kv, self.settings.host)
         if self.producer:
+            if transport == "shm":
+                self.shm = make_transport("shm", self.kv)
             self._senders = [_Sender(self, i) for i in range(SENDER_THREADS)]
         else:
             port = self.settings.port + self.tp_rank if self.settings.port else 0
+            offered = {"tcp": TcpTransport(), "shm": make_transport("shm", self.kv)}
+            if self.mooncake is not None:
+                offered["mooncake"] = self.mooncake
             self.server = ChannelServer(self.settings.bind_host, port, self, self.kv, self.token,
-                                        {"tcp": TcpTransport()}, sink=self, max_push_blocks=self.kv.num_blocks)
+                                        offered, sink=self, max_push_blocks=self.kv.num_blocks)
             self.server.start()
 
     def shutdown(self) -> None:
@@ -178,6 +229,9 @@ class PushWorker:
             self.server.stop()
         for sender in self._senders:
             sender.stop()
+        for transport in (self.shm, self.mooncake):
+            if transport is not None:
+                transport.close()
 
     # ---- D: Holds (nothing to read in push mode) and PushSink -------------
     def check_hello(self, hello: dict) -> str | None:
@@ -193,7 +247,8 @@ class PushWorker:
     def free(self, request_id: str) -> None:
         return None
 
-    def receive(self, request_id: str, layer: int, block_ids: list[int], pages) -> None:
+    def check(self, request_id: str, block_ids: list[int]) -> None:
+        """Before a layer lands: the request waits for pushed KV in exactly these blocks."""
         with self._lock:
             self._changed.wait_for(lambda: request_id in self._expected, timeout=self.expect_wait_s)
             exp = self._expected.get(request_id)
@@ -204,10 +259,17 @@ class PushWorker:
                 raise ValueError(f"request {request_id} did not reserve blocks {sorted(set(block_ids) - exp.blocks)}")
             if exp.started is None:
                 exp.started = time.monotonic()
-        self.kv.scatter_layer(layer, block_ids, pages)
+
+    def receive(self, request_id: str, layer: int, block_ids: list[int], pages) -> None:
+        """A layer landed: `pages` to copy in, or None when it is already in place."""
+        self.check(request_id, block_ids)
+        if pages is not None:
+            self.kv.scatter_layer(layer, block_ids, pages)
         with self._lock:
-            exp.layers.add(layer)
-            exp.bytes += pages.nbytes
+            exp = self._expected.get(request_id)
+            if exp is not None:
+                exp.layers.add(layer)
+                exp.bytes += len(block_ids) * self.kv.page_bytes
 
     def complete(self, request_id: str, ok: bool) -> None:
         with self._lock:
@@ -222,7 +284,7 @@ class PushWorker:
                 seconds = time.monotonic() - (exp.started or time.monotonic())
                 self.stats.transfer(exp.bytes, seconds)
                 log.info("KV received", request=request_id, bytes=exp.bytes, ms=round(seconds * 1000, 2),
-                         transport="tcp")
+                         transport=self.settings.transport)
             self._finish(request_id, good)
 
     def _finish(self, request_id: str, ok: bool) -> None:  # under the lock
@@ -256,16 +318,35 @@ class PushWorker:
             if not plan.local_blocks:
                 continue
             sender = self._sender(plan)
+            if self.settings.transport != "tcp":  # read straight from the pages; wait_for_save waits
+                with self._lock:
+                    self._direct += 1
+                sender.put(("PUSH", plan.host, plan.port + self.tp_rank, plan.request_id, layer,
+                            plan.remote_blocks, None, plan.local_blocks))
+                continue
             data = self.kv.gather_layer(layer, plan.local_blocks)  # a copy: safe once the step ends
             if not sender.put(("PUSH", plan.host, plan.port + self.tp_rank, plan.request_id, layer,
                                plan.remote_blocks, data), data.nbytes):
                 log.warning("push queue full; abandoning the push of a request", request=plan.request_id)
                 sender.put(("ABANDON", plan.host, plan.port + self.tp_rank, plan.request_id))
 
+    def direct_done(self) -> None:
+        with self._lock:
+            self._direct -= 1
+            self._changed.notify_all()
+
     def wait_for_save(self, meta: PushMetadata) -> None:
-        """P: end of the step's forward; the pages are copied out, nothing to wait for."""
+        """P: end of the step's forward. tcp pushes copied their pages out already; shm and
+        mooncake ones read P's pages in place, so the step ends once they have (the
+        layers overlapped the forward; this waits for the tail only)."""
+        with self._lock:
+            if not self._changed.wait_for(lambda: self._direct <= 0, timeout=DIRECT_WAIT_S):
+                log.warning("pushes still reading this step's pages; going on", pending=self._direct)
         for plan in meta.push:
-            if plan.last:
+            if plan.abandon:
+                if self.tp_rank == 0:
+                    self._sender(plan).put(("ABANDON", plan.host, plan.port, plan.request_id))
+            elif plan.last:
                 self._sender(plan).put(("PUSHED", plan.host, plan.port + self.tp_rank, plan.request_id))
 
     def _sender(self, plan: PushPlan) -> _Sender:

@@ -71,8 +71,12 @@ class Holds(Protocol):
 class PushSink(Protocol):
     """D in push mode: where pushed layers land. Called from transport threads."""
 
+    def check(self, request_id: str, block_ids: list[int]) -> None:
+        """KeyError/ValueError unless the request waits for pushed KV in these blocks."""
+
     def receive(self, request_id: str, layer: int, block_ids: list[int], pages: "np.ndarray") -> None:
-        """Store one layer's pages [len(block_ids), page_bytes]; KeyError/ValueError if unexpected."""
+        """Store one layer's pages [len(block_ids), page_bytes] (None: already written in
+        place); KeyError/ValueError if unexpected."""
 
     def complete(self, request_id: str, ok: bool) -> None:
         """Every layer of the request arrived (ok) or the producer gave up on it."""

@@ -22,10 +22,20 @@ import structlog
 
 from ascendserve.connectors.transport.base import Holds, Pages, PushSink, TransferError, Transport
 from ascendserve.connectors.transport.threads import unpin_current_thread
-from ascendserve.protocol.frames import FrameError, read_frame, recv_exact, send_frame
+from ascendserve.connectors.transport.tcp import recv_views
+from ascendserve.protocol.frames import FrameError, read_frame, send_frame
 
 log = structlog.get_logger("ascendserve.kv.channel")
 SOCKET_BUFFER = 4 * 1024 * 1024
+
+
+def _drain(conn: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n > 0:
+        got = conn.recv_into(scratch, min(n, len(scratch)))
+        if got == 0:
+            raise ConnectionError("peer closed the connection")
+        n -= got
 
 
 def _tune(sock: socket.socket) -> None:
@@ -78,7 +88,11 @@ class ChannelServer:
                 continue
             threading.Thread(target=self._serve, args=(conn, peer), name="kv-channel-conn", daemon=True).start()
 
-    def _take_push(self, conn: socket.socket, kind: str, request_id: str, msg: dict) -> str | None:
+    def _take_push(self, conn: socket.socket, kind: str, request_id: str, msg: dict,
+                   transport: Transport) -> str | None:
+        """D: one pushed layer. Its pages come as the frame's payload (tcp), through the
+        producer's shared-memory segment (shm: answer ACK once copied out), or were
+        already written into the reserved blocks by the producer (mooncake: `written`)."""
         if kind == "PUSHED":
             self.sink.complete(request_id, msg.get("ok") is True)
             send_frame(conn, {"type": "OK"})
@@ -88,16 +102,35 @@ class ChannelServer:
             return f"PUSH layer must be an integer in [0, {self.pages.num_layers})"
         if not isinstance(blocks, list) or not all(type(b) is int for b in blocks):
             return "PUSH blocks must be a list of integers"
-        if msg.get("payload", 0) != len(blocks) * self.pages.page_bytes:
-            return f"PUSH of {len(blocks)} pages must carry {len(blocks) * self.pages.page_bytes} bytes"
-        import numpy as np
-
-        data = np.empty((len(blocks), self.pages.page_bytes), dtype=np.uint8)
-        recv_exact(conn, data.nbytes, memoryview(data.reshape(-1)))
+        size = len(blocks) * self.pages.page_bytes
+        via_shm = msg.get("shm") is not None
+        if via_shm:
+            if transport.name != "shm" or not isinstance(msg["shm"], str) or msg.get("payload", 0):
+                return "PUSH through shared memory needs the shm transport and no payload"
+            data = transport.view(msg["shm"], size).reshape(len(blocks), self.pages.page_bytes)
+        elif msg.get("written") is True:
+            if transport.name != "mooncake" or msg.get("payload", 0):
+                return "a PUSH already written needs the mooncake transport and no payload"
+            data = None
+        else:
+            if msg.get("payload", 0) != size:
+                return f"PUSH of {len(blocks)} pages must carry {size} bytes"
+            data = None
+            try:  # checked first, then received straight into the reserved pages
+                self.sink.check(request_id, blocks)
+                recv_views(conn, self.pages.layer_views(layer, blocks))
+            except (KeyError, ValueError) as exc:
+                log.warning("pushed KV refused", request=request_id, reason=str(exc).strip("'\""))
+                _drain(conn, size)
+                return None
         try:
             self.sink.receive(request_id, layer, blocks, data)
-        except (KeyError, ValueError) as exc:  # pushes are one-way: the sink records the failure
+        except (KeyError, ValueError, TransferError) as exc:  # one-way: the sink records the failure
             log.warning("pushed KV refused", request=request_id, reason=str(exc).strip("'\""))
+        finally:
+            del data
+            if via_shm:
+                send_frame(conn, {"type": "ACK"})
         return None
 
     def _reject(self, conn: socket.socket, peer, reason: str) -> None:
@@ -111,6 +144,7 @@ class ChannelServer:
     def _serve(self, conn: socket.socket, peer) -> None:
         unpin_current_thread()
         transport: Transport | None = None
+        pushing: set[str] = set()  # requests with layers pushed on this connection, not yet complete
         try:
             _tune(conn)
             conn.settimeout(self.idle_timeout_s)
@@ -139,9 +173,10 @@ class ChannelServer:
                 if kind in ("PUSH", "PUSHED"):
                     if self.sink is None or transport is None:
                         return self._reject(conn, peer, f"{kind}: this instance takes no pushed KV")
-                    problem = self._take_push(conn, kind, request_id, msg)
+                    problem = self._take_push(conn, kind, request_id, msg, transport)
                     if problem:
                         return self._reject(conn, peer, problem)
+                    (pushing.add if kind == "PUSH" else pushing.discard)(request_id)
                 elif kind == "READ":
                     if transport is None:
                         return self._reject(conn, peer, "READ on a control session (HELLO without a layout)")
@@ -174,6 +209,8 @@ class ChannelServer:
             pass
         finally:
             conn.close()
+            for request_id in pushing:  # the producer went away mid-push: fail now, not at the deadline
+                self.sink.complete(request_id, False)
             release = getattr(transport, "release_thread_segment", None)
             if release is not None:
                 release()

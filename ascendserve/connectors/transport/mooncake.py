@@ -102,3 +102,7 @@ class MooncakeTransport(Transport):
     def close(self) -> None:
         for addr, _ in self.regions:
             self.engine.unregister_memory(addr)
+
+
+def page_addresses(bases: list[int], page_bytes: int, layer: int, blocks: list[int]) -> list[int]:
+    return [bases[layer] + b * page_bytes for b in blocks]

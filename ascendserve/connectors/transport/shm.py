@@ -1,7 +1,8 @@
 """shm: same-host transfers through a shared-memory segment, one copy in and one copy out.
 
-    D -> READ                P gathers the pages into its segment for this connection
-    P -> SHM {name, size}    D maps /dev/shm/<name>, scatters into its blocks
+    D -> READ                P: SHM {name, size} of its segment for this connection
+    P -> LAYER {i} per layer P copied layer i in; D copies it out into its blocks
+                             while P copies the next (the two copies overlap)
     D -> DONE                P may reuse the segment (and unpins the blocks)
 
 P owns the segments (one per connection, grown on demand, unlinked when the
@@ -75,9 +76,12 @@ class ShmTransport(Transport):
         seg = self._segment(size)
         out = np.ndarray((pages.num_layers, len(block_ids), size // max(1, pages.num_layers * len(block_ids))),
                          dtype=np.uint8, buffer=seg.buf)
-        pages.gather_into(block_ids, out, heads)
-        del out  # no export may outlive the segment
         send_frame(conn, {"type": "SHM", "name": seg.name, "size": size})
+        # layer by layer, so D copies layer i out while P copies layer i + 1 in
+        for layer in range(pages.num_layers):
+            pages.gather_layer_into(layer, block_ids, out[layer], heads)
+            send_frame(conn, {"type": "LAYER", "layer": layer})
+        del out  # no export may outlive the segment
         done = read_frame(conn, 0)
         if done["type"] != "DONE":
             raise TransferError(f"expected DONE after SHM, got {done['type']}")
@@ -111,6 +115,14 @@ class ShmTransport(Transport):
             old.close()
         return m
 
+    def view(self, name: str, size: int) -> np.ndarray:
+        """D in push mode: the first `size` bytes of a producer's segment."""
+        return np.frombuffer(self._map(name, size), dtype=np.uint8, count=size)
+
+    def segment_for(self, size: int) -> shared_memory.SharedMemory:
+        """P in push mode: this thread's segment, at least `size` bytes."""
+        return self._segment(size)
+
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
               local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
         answer = read_frame(sock, 0)
@@ -121,11 +133,16 @@ class ShmTransport(Transport):
             raise TransferError(f"producer offered {answer.get('size')} bytes, expected {size}")
         m = self._map(answer["name"], size)
         src = np.frombuffer(m, dtype=np.uint8, count=size).reshape(pages.num_layers, len(local_blocks), -1)
+        mine = (heads[1], heads[2]) if heads else None
         try:
-            pages.scatter(local_blocks, src, (heads[1], heads[2]) if heads else None)
+            for layer in range(pages.num_layers):
+                ready = read_frame(sock, 0)
+                if ready["type"] != "LAYER" or ready.get("layer") != layer:
+                    raise TransferError(f"expected LAYER {layer}, got {ready['type']} {ready.get('layer')}")
+                pages.scatter_layer(layer, local_blocks, src[layer], mine)
         finally:
             del src
-            send_frame(sock, {"type": "DONE"})
+        send_frame(sock, {"type": "DONE"})
         return size
 
     def close(self) -> None:

@@ -1,8 +1,9 @@
 """tcp: the pages follow the DATA frame on the control socket, one frame per READ.
 
-P gathers every layer's pages into one staging buffer and sends it with
-sendall; D receives straight into a staging buffer and scatters it. No
-per-block round trip; the kernel does the rest.
+No staging copy on either side: P writes the pages straight from its KV
+cache with scatter-gather sends (sendmsg over page views, layer-major), D
+receives them straight into its own pages with recvmsg_into. The kernel's
+copies are the only ones; no per-block round trip.
 """
 
 from __future__ import annotations
@@ -10,7 +11,41 @@ from __future__ import annotations
 import socket
 
 from ascendserve.connectors.transport.base import Pages, TransferError, Transport
-from ascendserve.protocol.frames import read_frame, recv_exact, send_frame
+from ascendserve.protocol.frames import read_frame, send_frame
+
+IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into call (under any IOV_MAX)
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    i, head = 0, None
+    while i < len(views):
+        batch = ([head] if head is not None else []) + views[i + (head is not None):i + IOV_BATCH]
+        n = sock.sendmsg(batch)
+        head = None
+        for buf in batch:
+            if n >= len(buf):
+                n -= len(buf)
+                i += 1
+            else:
+                head = buf[n:]  # the rest of a partly sent buffer goes first next time
+                break
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    i, head = 0, None
+    while i < len(views):
+        batch = ([head] if head is not None else []) + views[i + (head is not None):i + IOV_BATCH]
+        n = sock.recvmsg_into(batch)[0]
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-transfer")
+        head = None
+        for buf in batch:
+            if n >= len(buf):
+                n -= len(buf)
+                i += 1
+            else:
+                head = buf[n:]
+                break
 
 
 class TcpTransport(Transport):
@@ -18,19 +53,18 @@ class TcpTransport(Transport):
 
     def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
                    heads: tuple[int, int] | None) -> None:
-        staging = pages.staging(len(block_ids), heads[1] if heads else None)
-        pages.gather_into(block_ids, staging, heads)
-        send_frame(conn, {"type": "DATA"}, memoryview(staging.reshape(-1)))
+        views = [v for layer in pages.page_views(block_ids, heads) for v in layer]
+        send_frame(conn, {"type": "DATA", "payload": sum(len(v) for v in views)})
+        send_views(conn, views)
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
               local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
-        staging = pages.staging(len(local_blocks), heads[2] if heads else None)
-        into = memoryview(staging.reshape(-1))
-        answer = read_frame(sock, len(into))
+        views = [v for layer in pages.page_views(local_blocks, (heads[1], heads[2]) if heads else None) for v in layer]
+        size = sum(len(v) for v in views)
+        answer = read_frame(sock, size)
         if answer["type"] != "DATA":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
-        if answer.get("payload", 0) != len(into):
-            raise TransferError(f"producer sent {answer.get('payload')} bytes, expected {len(into)}")
-        recv_exact(sock, len(into), into)
-        pages.scatter(local_blocks, staging, (heads[1], heads[2]) if heads else None)
-        return len(into)
+        if answer.get("payload", 0) != size:
+            raise TransferError(f"producer sent {answer.get('payload')} bytes, expected {size}")
+        recv_views(sock, views)
+        return size
