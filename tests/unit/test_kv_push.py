@@ -191,3 +191,24 @@ def test_producer_gone_mid_push_fails_at_once(pair):
     started = time.monotonic()
     _, _, failed = results_until(d, lambda g: "r" in g[1], timeout=5)
     assert "r" in failed and time.monotonic() - started < 5  # long before its 30 s deadline
+
+
+def test_decode_asks_the_metaserver_and_reports_a_refusal():
+    planner = PushPlanner(settings(ttl_s=5.0), "e", 1, BS)
+    try:
+        req = SimpleNamespace(request_id="cmpl-x-0-abcdef12", prompt_token_ids=list(range(9)),
+                              kv_transfer_params={"do_remote_prefill": True,
+                                                  "metaserver": "http://127.0.0.1:1/v1/metaserver?ticket=t"})
+        assert planner.get_num_new_matched_tokens(req, 0) == (9, True)
+        blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: [[6, 7, 8]])
+        planner.update_state_after_alloc(req, blocks, 9)
+        assert req.kv_transfer_params["do_remote_prefill"] is False  # asked once
+        meta = planner.build_connector_meta(step())
+        assert meta.expect == {"cmpl-x-0-abcdef12": [6, 7, 8]}
+        deadline, failed = time.monotonic() + 10, []
+        while not failed and time.monotonic() < deadline:  # nothing listens on port 1
+            failed = planner.build_connector_meta(step()).failed
+            time.sleep(0.05)
+        assert failed == ["cmpl-x-0-abcdef12"]
+    finally:
+        planner.shutdown()

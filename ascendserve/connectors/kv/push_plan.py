@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass, field
 
@@ -66,7 +67,11 @@ class PushPlanner:
         self._expect: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._failed: list[str] = []
-        self._client = httpx.Client(timeout=self.post_timeout_s)
+        # One event loop thread carries every D -> metaserver ask: each waits until P has
+        # prefilled, so a thread (or a pool slot) per ask would cap the prefills in flight.
+        self._loop = asyncio.new_event_loop()
+        self._client: httpx.AsyncClient | None = None
+        threading.Thread(target=self._loop.run_forever, name="kv-push-ask", daemon=True).start()
 
     # ---- both ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -94,8 +99,7 @@ class PushPlanner:
                 "remote_block_size": self.block_size, "remote_engine_id": self.engine_id,
                 "remote_host": self.settings.host, "remote_port": self.settings.port,
                 "remote_tp_size": self.tp_size, "remote_cached_tokens": cached}
-        threading.Thread(target=self._ask_for_prefill, args=(str(params["metaserver"]), body),
-                         name="kv-push-ask", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._ask_for_prefill(str(params["metaserver"]), body), self._loop)
 
     def _outgoing(self, request_id: str, params: dict, request) -> _Outgoing:
         batch = params.get("batch_kv_transfer_params")
@@ -112,10 +116,12 @@ class PushPlanner:
             out.abandon = True
         return out
 
-    def _ask_for_prefill(self, url: str, body: dict) -> None:
+    async def _ask_for_prefill(self, url: str, body: dict) -> None:
         request_id = body["request_id"]
         try:
-            r = self._client.post(url, json=body)
+            if self._client is None:
+                self._client = httpx.AsyncClient(timeout=self.post_timeout_s)
+            r = await self._client.post(url, json=body)
             if r.status_code != 200:
                 raise RuntimeError(f"{r.status_code} {r.text[:300]}")
             log.debug("prefill done for pushed request", request=request_id)
@@ -179,4 +185,4 @@ class PushPlanner:
         return False, None
 
     def shutdown(self) -> None:
-        self._client.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
