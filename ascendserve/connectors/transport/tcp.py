@@ -16,26 +16,13 @@ from ascendserve.protocol.frames import read_frame, send_frame
 IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into call (under any IOV_MAX)
 
 
-def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+def _vectored(io, views: list[memoryview]) -> None:
+    """Run `io` (sendmsg / recvmsg_into over a batch of buffers, returning the bytes done)
+    until every view is done, resuming a partly done buffer where it stopped."""
     i, head = 0, None
     while i < len(views):
         batch = ([head] if head is not None else []) + views[i + (head is not None):i + IOV_BATCH]
-        n = sock.sendmsg(batch)
-        head = None
-        for buf in batch:
-            if n >= len(buf):
-                n -= len(buf)
-                i += 1
-            else:
-                head = buf[n:]  # the rest of a partly sent buffer goes first next time
-                break
-
-
-def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
-    i, head = 0, None
-    while i < len(views):
-        batch = ([head] if head is not None else []) + views[i + (head is not None):i + IOV_BATCH]
-        n = sock.recvmsg_into(batch)[0]
+        n = io(batch)
         if n == 0:
             raise ConnectionError("peer closed the connection mid-transfer")
         head = None
@@ -46,6 +33,14 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
             else:
                 head = buf[n:]
                 break
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    _vectored(sock.sendmsg, views)
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    _vectored(lambda batch: sock.recvmsg_into(batch)[0], views)
 
 
 class TcpTransport(Transport):
