@@ -2,7 +2,7 @@
 
     proxy  -> D   kv_transfer_params {do_remote_prefill: true, metaserver: <callback URL>}
     D      get_num_new_matched_tokens -> (prompt tokens not cached here, load async)
-           update_state_after_alloc   -> POST vllm-ascend's body to the callback (a thread):
+           update_state_after_alloc   -> POST vllm-ascend's body to the callback (one event-loop thread):
                                          {request_id, token_ids, remote_block_ids: D's new
                                          blocks, remote_host/port: D's receiver, remote_cached_tokens}
            the worker waits for every layer (PUSHED) or its deadline; a failed POST fails it

@@ -14,6 +14,7 @@ D: a side-channel server takes PUSH frames into the blocks the scheduler
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -77,8 +78,6 @@ class _Sender:
     def _sock(self, host: str, port: int):
         sock = self.socks.get((host, port))
         if sock is None:
-            import socket
-
             sock = socket.create_connection((host, port), timeout=5.0)
             _tune(sock)
             sock.settimeout(60.0)
