@@ -50,7 +50,11 @@ def _children(config: Config, model: str, extra: list[str], token_env: dict) -> 
     if config.config_file:
         common += ["--config", config.config_file]
     meta_url = f"http://127.0.0.1:{base + 1}"
-    kv, ec = ["--kv-path", str(run_dir / "kv")], ["--ec-path", str(run_dir / "ec")]
+    # our connector for the proxy's mode, unless the config picked one (the children share the token)
+    connector = config.kv.connector if config.kv.connector != "example" else \
+        ("push" if config.proxy.mode == "push" else "pull")
+    kv = ["--kv-connector", connector] + (["--kv-path", str(run_dir / "kv")] if connector == "example" else [])
+    ec = ["--ec-path", str(run_dir / "ec")]
     paths = {"encoder": ec, "prefill": kv + ec, "decode": kv, "pd": ec}
     children = [Child("metaserver", [*cli, "--role", "metaserver", "--port", str(base + 1), *common], token_env)]
     for i, (role, flags) in enumerate(TOPOLOGIES[config.all.topology]):

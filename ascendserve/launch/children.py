@@ -66,12 +66,13 @@ def _wait_gone(pgid: int, until: float) -> bool:
     return False
 
 
-def kill_group(pgid: int, grace_s: float = 0.0) -> None:
+def kill_group(pgid: int, grace_s: float = 0.0, tracker_grace_s: float | None = None) -> None:
     """Make sure nothing of process group `pgid` survives, without leaking
     shared memory. Members get `grace_s` seconds to exit by themselves; then
     everything but multiprocessing's resource tracker is SIGKILLed, and the
-    tracker gets `grace_s` more to unlink the segments the others leaked (it
-    does so once no process holds its pipe) before it is killed too."""
+    tracker gets `tracker_grace_s` (default `grace_s`) more to unlink the
+    segments the others leaked (it does so once no process holds its pipe)
+    before it is killed too. A stopped group is continued for that."""
     if _wait_gone(pgid, time.monotonic() + grace_s):
         return
     for proc in _members(pgid):
@@ -80,7 +81,11 @@ def kill_group(pgid: int, grace_s: float = 0.0) -> None:
                 proc.kill()
             except psutil.Error:
                 pass
-    if _wait_gone(pgid, time.monotonic() + grace_s):
+    try:
+        os.killpg(pgid, signal.SIGCONT)  # a SIGSTOPped tracker cannot clean up
+    except (ProcessLookupError, PermissionError):
+        pass
+    if _wait_gone(pgid, time.monotonic() + (grace_s if tracker_grace_s is None else tracker_grace_s)):
         return
     try:
         os.killpg(pgid, signal.SIGKILL)

@@ -11,6 +11,9 @@
   and recomputes at once instead of waiting for its deadline.
 To pin a transfer "in flight" deterministically, P's process group is
 SIGSTOPped after it answered: D's pull connects and waits on the frozen P.
+A crash SIGKILLs every process of the instance but multiprocessing's resource
+tracker, which then unlinks vLLM's shared memory; the tests check that
+nothing of ours or vLLM's is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
+from ascendserve.launch.children import kill_group
 from tests.procs import completion_ids, control, kv_usage, pd_cluster, start_all, wait_for
 
 pytestmark = pytest.mark.integration
@@ -51,6 +56,28 @@ def restart(proc) -> None:
 
 def signal_group(proc, sig) -> None:
     os.killpg(proc.popen.pid, sig)
+
+
+def shared_memory_of(proc) -> set[str]:
+    """The /dev/shm segments the processes of an instance have mapped."""
+    names = set()
+    for p in [psutil.Process(proc.popen.pid), *proc.descendants()]:
+        try:
+            names |= {m.path[len("/dev/shm/"):] for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
+        except psutil.Error:
+            pass
+    return names
+
+
+def crash(proc) -> None:
+    """SIGKILL every process of an instance at once (multiprocessing's resource tracker
+    excepted: it then unlinks the shared memory the dead left, as after a real crash),
+    and check that none of the instance's segments is left behind."""
+    segments = shared_memory_of(proc)
+    assert segments, "an engine instance maps vLLM's shared-memory queues"
+    kill_group(proc.popen.pid, grace_s=0.0, tracker_grace_s=10.0)
+    wait_for(lambda: not segments & set(os.listdir("/dev/shm")), 15,
+             f"shared memory left by a crashed instance: {sorted(segments & set(os.listdir('/dev/shm')))}")
 
 
 def prefill_and_hold(c, prompt: str) -> dict:
@@ -117,7 +144,7 @@ def test_decode_killed_while_waiting_prefill_frees_at_deadline(cluster):
         pending = decode_in_background(c, prompt, params)
         wait_for(lambda: kv_usage(c["decode"]) > 0.0, 60, "decode never reserved blocks for the pull")
         time.sleep(1.0)  # the pull is now connected to the frozen P
-        signal_group(c["decode"], signal.SIGKILL)
+        crash(c["decode"])
     finally:
         signal_group(c["prefill"], signal.SIGCONT)
     pending["thread"].join(30)
@@ -142,7 +169,7 @@ def test_prefill_killed_mid_transfer_decode_recomputes(cluster):
     pending = decode_in_background(c, prompt, params)
     wait_for(lambda: kv_usage(c["decode"]) > 0.0, 60, "decode never reserved blocks for the pull")
     time.sleep(1.0)
-    signal_group(c["prefill"], signal.SIGKILL)
+    crash(c["prefill"])
     pending["thread"].join(120)
     assert not pending["thread"].is_alive(), "decode hung after its prefill peer died"
     response = pending["response"]
@@ -193,7 +220,7 @@ def test_push_prefill_killed_decode_recomputes_long_before_its_deadline(push_pai
     t.start()
     wait_for(lambda: kv_usage(c["decode"]) > 0.0, 60, "decode never reserved blocks for the push")
     time.sleep(1.0)  # D asked the metaserver; the metaserver's dispatch waits on the frozen P
-    signal_group(c["prefill"], signal.SIGKILL)
+    crash(c["prefill"])
     t.join(90)
     assert not t.is_alive(), "the request hung after its prefill died"
     assert out.get("ids") == expected  # recomputed on D

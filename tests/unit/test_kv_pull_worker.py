@@ -151,21 +151,22 @@ def test_control_session_frees_but_cannot_read(pair):
         assert "control session" in frames.read_frame(s, 0)["reason"]
 
 
-def test_shm_segments_are_unlinked_when_connections_close():
+def test_shm_segment_names_leave_dev_shm_once_decode_has_mapped_them():
     p = PullWorker(settings("shm"), "tok", tp_rank=0, producer=True)
     p.register_kv_caches(caches(1))
     d = PullWorker(settings("shm"), "tok", tp_rank=0, producer=False)
     d.register_kv_caches(caches(2))
     try:
-        p.start_load_kv(PullMetadata(send={"r": ([1, 2], 30.0)}))
-        d.start_load_kv(PullMetadata(recv=[RecvPlan("d", [5, 6], [1, 2], "127.0.0.1", p.server.port, "r")]))
-        _, _, failed = results_until(d, lambda g: "d" in g[1])
-        assert not failed and shm_segments()  # the connection (and its segment) stays for reuse
+        for i in range(3):  # the same connection, its segment mapped on both sides, no name left
+            p.start_load_kv(PullMetadata(send={f"r{i}": ([1 + i, 2 + i], 30.0)}))
+            d.start_load_kv(PullMetadata(recv=[RecvPlan(f"d{i}", [5 + i, 9 + i], [1 + i, 2 + i], "127.0.0.1",
+                                                        p.server.port, f"r{i}")]))
+            _, _, failed = results_until(d, lambda g, i=i: f"d{i}" in g[1])
+            assert not failed and not shm_segments()
+            for src, dst in zip(p.kv.layers, d.kv.layers):
+                assert torch.equal(src[[1 + i, 2 + i]], dst[[5 + i, 9 + i]])
     finally:
         d.shutdown()
-        deadline = time.monotonic() + 5
-        while shm_segments() and time.monotonic() < deadline:
-            time.sleep(0.05)
         p.shutdown()
     assert not shm_segments()
 

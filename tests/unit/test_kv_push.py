@@ -2,6 +2,7 @@
 P -> D over a real loopback side channel."""
 
 import importlib.util
+import os
 import time
 from types import SimpleNamespace
 
@@ -109,6 +110,8 @@ def test_layers_arrive_and_complete(pair):
     assert not failed
     for src, dst in zip(p.kv.layers, d.kv.layers):
         assert torch.equal(src[[1, 2, 5]], dst[[9, 3, 4]])
+    # shm: the segment's name left /dev/shm once D had mapped it
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"asf-kv-{os.getpid()}-")]
 
 
 def test_push_into_blocks_not_reserved_fails_the_request(pair):

@@ -98,13 +98,14 @@ class _Sender:
         size = len(blocks) * kv.page_bytes
         header = {"type": "PUSH", "request_id": request_id, "layer": layer, "blocks": remote}
         if self.worker.settings.transport == "shm":
-            seg = self.worker.shm.segment_for(size)
+            seg = self.worker.shm.push_segment((host, port), size)
             out = np.ndarray((len(blocks), kv.page_bytes), dtype=np.uint8, buffer=seg.buf)
             kv.gather_layer_into(layer, blocks, out)
             del out
             send_frame(sock, {**header, "shm": seg.name})
             if read_frame(sock, 0)["type"] != "ACK":
                 raise TransferError("decode did not acknowledge a pushed layer")
+            self.worker.shm.push_mapped((host, port))
             return size
         peer = self.offers[(host, port)].get("mooncake")
         if not isinstance(peer, dict):
@@ -165,6 +166,8 @@ class _Sender:
                 sock = self.socks.pop((host, port), None)
                 if sock is not None:
                     sock.close()
+                if self.worker.shm is not None:  # a new connection gets a new segment
+                    self.worker.shm.push_peer_gone((host, port))
                 if kind == "PUSH":
                     self.dead.add(request_id)
                 self.first_push.pop(request_id, None)

@@ -107,7 +107,7 @@ class ChannelServer:
         if via_shm:
             if transport.name != "shm" or not isinstance(msg["shm"], str) or msg.get("payload", 0):
                 return "PUSH through shared memory needs the shm transport and no payload"
-            data = transport.view(msg["shm"], size).reshape(len(blocks), self.pages.page_bytes)
+            data = transport.view(conn, msg["shm"], size).reshape(len(blocks), self.pages.page_bytes)
         elif msg.get("written") is True:
             if transport.name != "mooncake" or msg.get("payload", 0):
                 return "a PUSH already written needs the mooncake transport and no payload"

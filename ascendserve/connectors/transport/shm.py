@@ -5,10 +5,11 @@
                              while P copies the next (the two copies overlap)
     D -> DONE                P may reuse the segment (and unpins the blocks)
 
-P owns the segments (one per connection, grown on demand, unlinked when the
-connection closes; Python's resource tracker unlinks them if P is killed).
-D maps them without registering them anywhere, so a D that dies leaks
-nothing. A D on another host cannot open the name and fails the transfer
+P owns the segments (one per connection, grown on demand). Its name leaves
+/dev/shm as soon as D has answered once (D keeps its mapping for the
+connection's life), so a crash of either side leaves nothing behind; before
+that, Python's resource tracker unlinks it if P dies. D maps segments
+without registering them anywhere. A D on another host cannot open the name and fails the transfer
 with a clear error instead of reading garbage.
 """
 
@@ -19,6 +20,7 @@ import mmap
 import os
 import socket
 import threading
+import weakref
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -34,6 +36,7 @@ class _Segments(threading.local):
     """P: the segment of the connection served by this thread."""
 
     shm: shared_memory.SharedMemory | None = None
+    linked: bool = False  # its name is still in /dev/shm (until D has mapped it)
 
 
 class ShmTransport(Transport):
@@ -42,8 +45,9 @@ class ShmTransport(Transport):
     def __init__(self):
         self._mine = _Segments()
         self._lock = threading.Lock()
-        self._live: set[str] = set()
-        self._maps: dict[str, mmap.mmap] = {}  # D: segments mapped, by name
+        self._live: set[str] = set()  # P: names still in /dev/shm
+        self._maps: dict[int, tuple[str, mmap.mmap]] = {}  # D: the segment mapped per connection
+        self._push: dict[tuple[str, int], tuple[shared_memory.SharedMemory, bool]] = {}  # P: per decode peer
 
     # ---- producer ---------------------------------------------------------
     def _segment(self, size: int) -> shared_memory.SharedMemory:
@@ -53,22 +57,30 @@ class ShmTransport(Transport):
         self.release_thread_segment()
         seg = shared_memory.SharedMemory(name=f"asf-kv-{os.getpid()}-{next(_names)}", create=True,
                                          size=max(size, 1 << 20))
-        self._mine.shm = seg
+        self._mine.shm, self._mine.linked = seg, True
         with self._lock:
             self._live.add(seg.name)
         return seg
 
-    def release_thread_segment(self) -> None:
-        """Called by the channel when a connection ends."""
-        seg, self._mine.shm = self._mine.shm, None
-        if seg is not None:
+    def mapped_by_peer(self) -> None:
+        """D answered on this connection, so it has the segment mapped: take the name out of
+        /dev/shm now. Both mappings stay valid, and a crash of either side leaves nothing."""
+        seg = self._mine.shm
+        if seg is not None and self._mine.linked:
+            self._mine.linked = False
             with self._lock:
                 self._live.discard(seg.name)
-            seg.close()
             try:
                 seg.unlink()
-            except FileNotFoundError:  # close() at shutdown got there first
+            except FileNotFoundError:
                 pass
+
+    def release_thread_segment(self) -> None:
+        """Called by the channel when a connection ends."""
+        self.mapped_by_peer()  # unlinks it if D never got that far
+        seg, self._mine.shm = self._mine.shm, None
+        if seg is not None:
+            seg.close()
 
     def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
                    heads: tuple[int, int] | None) -> None:
@@ -85,13 +97,17 @@ class ShmTransport(Transport):
         done = read_frame(conn, 0)
         if done["type"] != "DONE":
             raise TransferError(f"expected DONE after SHM, got {done['type']}")
+        self.mapped_by_peer()
 
     # ---- consumer ---------------------------------------------------------
-    def _map(self, name: str, size: int) -> mmap.mmap:
+    def _map(self, sock: socket.socket, name: str, size: int) -> mmap.mmap:
+        """The producer's segment for this connection (P unlinks its name once we answered, so
+        the mapping is kept for the connection's life, and dropped with it)."""
+        key = id(sock)
         with self._lock:
-            m = self._maps.get(name)
-            if m is not None and len(m) >= size:
-                return m
+            cur = self._maps.get(key)
+        if cur is not None and cur[0] == name and len(cur[1]) >= size:
+            return cur[1]
         if "/" in name or not name.startswith("asf-kv-"):
             raise TransferError(f"refusing shared-memory name {name!r}")
         try:
@@ -106,22 +122,58 @@ class ShmTransport(Transport):
         finally:
             os.close(fd)
         with self._lock:
-            old = self._maps.pop(name, None)
-            self._maps[name] = m
-            # P replaces a segment only by a bigger one; forget mappings of dead ones
-            for stale in [n for n in self._maps if n != name and not os.path.exists(os.path.join(SHM_DIR, n))]:
-                self._maps.pop(stale).close()
-        if old is not None:
-            old.close()
+            old = self._maps.get(key)
+            self._maps[key] = (name, m)
+        if old is None:
+            weakref.finalize(sock, self._forget, key)
+        else:
+            _close(old[1])  # P grew its segment
         return m
 
-    def view(self, name: str, size: int) -> np.ndarray:
-        """D in push mode: the first `size` bytes of a producer's segment."""
-        return np.frombuffer(self._map(name, size), dtype=np.uint8, count=size)
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            cur = self._maps.pop(key, None)
+        if cur is not None:
+            _close(cur[1])
 
-    def segment_for(self, size: int) -> shared_memory.SharedMemory:
-        """P in push mode: this thread's segment, at least `size` bytes."""
-        return self._segment(size)
+    def view(self, conn: socket.socket, name: str, size: int) -> np.ndarray:
+        """D in push mode: the first `size` bytes of the producer's segment on `conn`."""
+        return np.frombuffer(self._map(conn, name, size), dtype=np.uint8, count=size)
+
+    def push_segment(self, peer: tuple[str, int], size: int) -> shared_memory.SharedMemory:
+        """P in push mode: the segment for one decode peer (its connection), at least `size` bytes."""
+        with self._lock:
+            cur = self._push.get(peer)
+        if cur is not None and cur[0].size >= size:
+            return cur[0]
+        if cur is not None:
+            self.push_peer_gone(peer)
+        seg = shared_memory.SharedMemory(name=f"asf-kv-{os.getpid()}-{next(_names)}", create=True,
+                                         size=max(size, 1 << 20))
+        with self._lock:
+            self._push[peer] = (seg, True)
+            self._live.add(seg.name)
+        return seg
+
+    def push_mapped(self, peer: tuple[str, int]) -> None:
+        """The peer acknowledged a layer, so it has the segment mapped: unlink the name."""
+        with self._lock:
+            cur = self._push.get(peer)
+            if cur is None or not cur[1]:
+                return
+            self._push[peer] = (cur[0], False)
+            self._live.discard(cur[0].name)
+        try:
+            cur[0].unlink()
+        except FileNotFoundError:
+            pass
+
+    def push_peer_gone(self, peer: tuple[str, int]) -> None:
+        self.push_mapped(peer)
+        with self._lock:
+            cur = self._push.pop(peer, None)
+        if cur is not None:
+            cur[0].close()
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
               local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
@@ -131,7 +183,7 @@ class ShmTransport(Transport):
         size = pages.nbytes(len(local_blocks), heads[2] if heads else None)
         if answer.get("size") != size or not isinstance(answer.get("name"), str):
             raise TransferError(f"producer offered {answer.get('size')} bytes, expected {size}")
-        m = self._map(answer["name"], size)
+        m = self._map(sock, answer["name"], size)
         src = np.frombuffer(m, dtype=np.uint8, count=size).reshape(pages.num_layers, len(local_blocks), -1)
         mine = (heads[1], heads[2]) if heads else None
         try:
@@ -153,9 +205,16 @@ class ShmTransport(Transport):
                 except FileNotFoundError:
                     pass
             self._live.clear()
-            for m in self._maps.values():
-                try:
-                    m.close()
-                except BufferError:
-                    pass
-            self._maps.clear()
+            maps, self._maps = list(self._maps.values()), {}
+            pushes, self._push = list(self._push.values()), {}
+        for _, m in maps:
+            _close(m)
+        for seg, _ in pushes:
+            seg.close()
+
+
+def _close(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:  # a view is still alive; the mapping goes with it
+        pass
