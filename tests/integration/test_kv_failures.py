@@ -26,7 +26,6 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
 
 from ascendserve.launch.children import kill_group
@@ -58,22 +57,11 @@ def signal_group(proc, sig) -> None:
     os.killpg(proc.popen.pid, sig)
 
 
-def shared_memory_of(proc) -> set[str]:
-    """The /dev/shm segments the processes of an instance have mapped."""
-    names = set()
-    for p in [psutil.Process(proc.popen.pid), *proc.descendants()]:
-        try:
-            names |= {m.path[len("/dev/shm/"):] for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-        except psutil.Error:
-            pass
-    return names
-
-
 def crash(proc) -> None:
     """SIGKILL every process of an instance at once (multiprocessing's resource tracker
     excepted: it then unlinks the shared memory the dead left, as after a real crash),
     and check that none of the instance's segments is left behind."""
-    segments = shared_memory_of(proc)
+    segments = proc.shared_memory()
     assert segments, "an engine instance maps vLLM's shared-memory queues"
     kill_group(proc.popen.pid, grace_s=0.0, tracker_grace_s=10.0)
     wait_for(lambda: not segments & set(os.listdir("/dev/shm")), 15,
