@@ -1,5 +1,6 @@
 """Page gather/scatter over tensors shaped like vLLM's CPU KV caches."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,10 +22,11 @@ def test_gather_then_scatter_moves_exact_pages(dtype):
     src, dst = PagedKV(caches(dtype, seed=1)), PagedKV(caches(dtype, seed=2))
     assert len(src.layers) == 3 and src.layout() == dst.layout()
     remote, local = [7, 2, 2, 9], [0, 5, 6, 3]  # repeated ids and the last block included
-    staging = src.staging(4)
+    staging = np.empty((src.num_layers, 4, src.page_bytes), dtype=np.uint8)
     assert staging.nbytes == src.nbytes(4)
-    src.gather_into(remote, staging)
-    dst.scatter(local, staging)
+    for layer in range(src.num_layers):
+        src.gather_layer_into(layer, remote, staging[layer])
+        dst.scatter_layer(layer, local, staging[layer])
     for s, d in zip(src.layers, dst.layers):
         for r, l in zip(remote, local):
             assert torch.equal(s[r], d[l])
@@ -36,13 +38,14 @@ def test_gather_then_scatter_moves_exact_pages(dtype):
 
 def test_empty_and_out_of_range():
     kv = PagedKV(caches(torch.float32))
-    empty = kv.staging(0)
-    kv.gather_into([], empty)
+    one = np.empty((1, kv.page_bytes), dtype=np.uint8)
+    empty = np.empty((0, kv.page_bytes), dtype=np.uint8)
+    kv.gather_layer_into(0, [], empty)
     assert empty.size == 0
     with pytest.raises(ValueError, match="out of range"):
-        kv.gather_into([10], kv.staging(1))
+        kv.gather_layer_into(0, [10], one)
     with pytest.raises(ValueError, match="out of range"):
-        kv.scatter([-1], kv.staging(1))
+        kv.scatter_layer(0, [-1], one)
 
 
 def test_layout_differs_when_shapes_differ():

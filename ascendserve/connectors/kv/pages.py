@@ -71,36 +71,11 @@ class PagedKV:
             raise ValueError(f"block id out of range 0..{self.num_blocks - 1}")
         return idx
 
-    def staging(self, n_blocks: int, heads: int | None = None) -> np.ndarray:
-        width = self.page_bytes if heads is None else heads * self.head_bytes
-        return np.empty((len(self.layers), n_blocks, width), dtype=np.uint8)
-
     def _head_range(self, heads: tuple[int, int]) -> slice:
         first, n = heads
         if first < 0 or n < 1 or first + n > self.num_heads:
             raise ValueError(f"heads {first}..{first + n - 1} out of range 0..{self.num_heads - 1}")
         return slice(first * self.head_bytes, (first + n) * self.head_bytes)
-
-    def gather_into(self, block_ids: list[int], out: np.ndarray, heads: tuple[int, int] | None = None) -> None:
-        """`out`: [layers, len(block_ids), bytes per page (or per head run)] (a staging buffer or a
-        shared segment). `heads` = (first, count) takes only those heads of each page."""
-        idx = self._index(block_ids)
-        if heads is None:
-            gather_pages(self._bytes_views(), idx, out)
-            return
-        cols = self._head_range(heads)
-        for i, view in enumerate(self._bytes_views()):
-            out[i] = view[idx, cols]
-
-    def scatter(self, block_ids: list[int], src: np.ndarray, heads: tuple[int, int] | None = None) -> None:
-        """`src`: [layers, len(block_ids), bytes per page (or per head run)] holding remote pages."""
-        idx = self._index(block_ids)
-        if heads is None:
-            scatter_pages(self._bytes_views(), idx, src)
-            return
-        cols = self._head_range(heads)
-        for i, view in enumerate(self._bytes_views()):
-            view[idx, cols] = src[i]
 
     def layer_index(self) -> dict[str, int]:
         """vLLM layer name -> page layer (layers sharing a cache map to the first one only)."""
@@ -112,27 +87,31 @@ class PagedKV:
 
     def gather_layer_into(self, layer: int, block_ids: list[int], out: np.ndarray,
                           heads: tuple[int, int] | None = None) -> None:
+        """`out`: [len(block_ids), bytes per page (or per head run)]; `heads` = (first, count)
+        takes only those heads of each page."""
         view, idx = self._bytes_views()[layer], self._index(block_ids)
         if heads is None:
-            np.take(view, idx, axis=0, out=out, mode="clip")  # ids checked by _index
+            gather_pages(view, idx, out)
         else:
             out[:] = view[idx, self._head_range(heads)]
 
     def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray,
                       heads: tuple[int, int] | None = None) -> None:
-        cols = self._head_range(heads) if heads is not None else slice(None)
-        self._bytes_views()[layer][self._index(block_ids), cols] = src
+        view, idx = self._bytes_views()[layer], self._index(block_ids)
+        if heads is None:
+            scatter_pages(view, idx, src)
+        else:
+            view[idx, self._head_range(heads)] = src
+
+    def layer_views(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
+        """The byte ranges of these pages (or of one head run of each) in the cache itself:
+        sockets read and write them with no staging copy."""
+        view, cols = self._bytes_views()[layer], self._head_range(heads) if heads is not None else slice(None)
+        return [memoryview(view[b, cols]) for b in self._index(block_ids)]
 
     def page_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[list[memoryview]]:
-        """Per layer, the byte ranges of these pages (or of one head run of each) in the
-        caches themselves: sockets read and write them with no staging copy."""
-        idx = self._index(block_ids)
-        cols = self._head_range(heads) if heads is not None else slice(None)
-        return [[memoryview(view[b, cols]) for b in idx] for view in self._bytes_views()]
-
-    def layer_views(self, layer: int, block_ids: list[int]) -> list[memoryview]:
-        view = self._bytes_views()[layer]
-        return [memoryview(view[b]) for b in self._index(block_ids)]
+        """`layer_views` of every layer."""
+        return [self.layer_views(i, block_ids, heads) for i in range(self.num_layers)]
 
     def regions(self) -> list[tuple[int, int]]:
         return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.layers]

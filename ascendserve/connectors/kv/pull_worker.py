@@ -115,12 +115,6 @@ class PullWorker:
                 log.warning("KV transfer job failed", job=getattr(fn, "__name__", str(fn)), error=str(exc))
 
     # ---- Holds (producer, called from side-channel threads) ---------------
-    def check_hello(self, hello: dict) -> str | None:
-        mine = self.kv.layout()
-        if hello.get("layout") != mine:
-            return f"KV layout mismatch: consumer {hello.get('layout')} vs producer {mine}"
-        return None
-
     def acquire(self, request_id: str, block_ids: list[int]) -> None:
         with self._lock:
             # P answers the HTTP request before its next engine step registers the

@@ -236,10 +236,6 @@ class PushWorker:
                 transport.close()
 
     # ---- D: Holds (nothing to read in push mode) and PushSink -------------
-    def check_hello(self, hello: dict) -> str | None:
-        mine = self.kv.layout()
-        return None if hello.get("layout") == mine else f"KV layout mismatch: producer {hello.get('layout')} vs consumer {mine}"
-
     def acquire(self, request_id: str, block_ids: list[int]) -> None:
         raise KeyError("this decode instance receives pushed KV; it holds nothing to read")
 

@@ -41,11 +41,16 @@ class Pages(Protocol):
 
     def nbytes(self, n_blocks: int, heads: int | None = None) -> int: ...
 
-    def staging(self, n_blocks: int, heads: int | None = None) -> np.ndarray: ...
+    def gather_layer_into(self, layer: int, block_ids: list[int], out: np.ndarray,
+                          heads: tuple[int, int] | None = None) -> None: ...
 
-    def gather_into(self, block_ids: list[int], out: np.ndarray, heads: tuple[int, int] | None = None) -> None: ...
+    def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray,
+                      heads: tuple[int, int] | None = None) -> None: ...
 
-    def scatter(self, block_ids: list[int], src: np.ndarray, heads: tuple[int, int] | None = None) -> None: ...
+    def layer_views(self, layer: int, block_ids: list[int],
+                    heads: tuple[int, int] | None = None) -> list[memoryview]: ...
+
+    def page_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[list[memoryview]]: ...
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of every layer's cache, for transports that register memory."""
@@ -53,9 +58,6 @@ class Pages(Protocol):
 
 class Holds(Protocol):
     """What a producer holds for consumers. Called from transport threads: thread-safe."""
-
-    def check_hello(self, hello: dict) -> str | None:
-        """None if a consumer with this handshake may read; else the reason it may not."""
 
     def acquire(self, request_id: str, block_ids: list[int]) -> None:
         """Pin `block_ids` of a held request for one read. KeyError if the request is not

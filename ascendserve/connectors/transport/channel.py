@@ -155,9 +155,9 @@ class ChannelServer:
                 return self._reject(conn, peer, "invalid cluster token")
             can_read = "layout" in hello
             if can_read:
-                problem = self.holds.check_hello(hello)
-                if problem:
-                    return self._reject(conn, peer, problem)
+                mine = self.pages.layout()
+                if hello["layout"] != mine:
+                    return self._reject(conn, peer, f"KV layout mismatch: peer {hello['layout']} vs here {mine}")
                 transport = self.transports.get(hello.get("transport", "tcp"))
                 if transport is None:
                     return self._reject(conn, peer, f"transport {hello.get('transport')!r} not offered here "
