@@ -67,9 +67,24 @@ class KVConfig(_Section):
 
 
 class ECConfig(_Section):
-    connector: Literal["example"] = "example"
+    # example: vLLM's ECExampleConnector (shared directory `path`); shm: host-wide
+    # shared-memory region; store: cluster-wide pool (`store_backend`)
+    connector: Literal["example", "shm", "store"] = "example"
     enabled: bool = False
     path: str = ""
+    store_backend: Literal["memcached", "mooncake"] = "memcached"
+    store_url: str = ""  # memcached host:port (the proxy checks it too, to skip the encoder)
+    mooncake_master: str = ""  # host:port of mooncake_master (store_backend = mooncake)
+    shm_name: str = "asf-ec"  # region name in /dev/shm; one per host and cluster
+    shm_size_mb: Annotated[int, Meta(ge=1)] = 512
+    block_kb: Annotated[int, Meta(ge=4, multiple_of=4)] = 64
+    chunk_kb: Annotated[int, Meta(ge=1)] = 512  # memcached value chunk; keep under its item limit (-I)
+    ttl_s: Annotated[int, Meta(ge=1, le=2592000)] = 3600  # store entries expire after this
+    wait_s: Annotated[float, Meta(ge=0.0)] = 5.0  # consumer waits this long for an item the encoder promised
+    pin_ttl_s: Annotated[float, Meta(gt=0.0)] = 60.0  # a consumer's pin on an entry lapses after this
+    # consumer receive buffer (store): [2048, max_num_batched_tokens]; default max_num_batched_tokens
+    recv_buffer_tokens: Annotated[int, Meta(ge=2048)] | None = None
+    delete_on_exit: bool = True  # an encoder deletes the store entries it wrote when it stops
 
 
 class LogConfig(_Section):
@@ -424,7 +439,7 @@ def _check_model(path: str) -> None:
 # Sections that mean something to each kind of role (the rest is noise in its log).
 _SECTIONS = {
     "engine": {"role", "instance_id", "runtime_dir", "server", "model", "engine", "kv", "ec", "log", "cluster"},
-    "proxy": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "proxy"},
+    "proxy": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "proxy", "ec"},
     "metaserver": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "metaserver"},
 }
 

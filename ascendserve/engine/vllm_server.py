@@ -30,7 +30,8 @@ OWNED = {
 
 KV_CONNECTORS = {"example": "ExampleConnector", "pull": "AscendPullConnector", "push": "AscendPushConnector"}
 KV_MODULES = {"pull": "ascendserve.connectors.kv.pull", "push": "ascendserve.connectors.kv.push"}
-EC_CONNECTORS = {"example": "ECExampleConnector"}
+EC_CONNECTORS = {"example": "ECExampleConnector", "shm": "AscendECShmConnector", "store": "AscendECStoreConnector"}
+EC_MODULE = "ascendserve.connectors.ec.connector"
 MIDDLEWARE = "ascendserve.engine.middleware.RequestContext"
 
 
@@ -54,11 +55,48 @@ def kv_transfer_config(config: Config, kv_role: str) -> dict:
 
 
 def ec_transfer_config(config: Config, ec_role: str) -> dict:
-    return {
-        "ec_connector": EC_CONNECTORS[config.ec.connector],
-        "ec_role": ec_role,
-        "ec_connector_extra_config": {"shared_storage_path": config.ec.path},
+    ec = config.ec
+    if ec.connector == "example":
+        return {"ec_connector": EC_CONNECTORS["example"], "ec_role": ec_role,
+                "ec_connector_extra_config": {"shared_storage_path": ec.path}}
+    if ec.connector == "store" and ec.store_backend == "memcached" and not ec.store_url:
+        raise ConfigError("ec.connector = 'store' with the memcached backend needs ec.store_url "
+                          "(--ec-store-url host:port)")
+    if ec.connector == "store" and ec.store_backend == "mooncake" and not ec.mooncake_master:
+        raise ConfigError("ec.store_backend = 'mooncake' needs ec.mooncake_master (--ec-mooncake-master host:port)")
+    extra = {
+        "backend": "shm" if ec.connector == "shm" else ec.store_backend,
+        "shm_name": ec.shm_name, "shm_bytes": ec.shm_size_mb << 20, "block_bytes": ec.block_kb << 10,
+        "store_url": ec.store_url, "chunk_bytes": ec.chunk_kb << 10, "ttl_s": ec.ttl_s, "wait_s": ec.wait_s,
+        "pin_ttl_s": ec.pin_ttl_s, "recv_buffer_tokens": ec.recv_buffer_tokens, "delete_on_exit": ec.delete_on_exit,
+        "mooncake_master": ec.mooncake_master, "local_host": config.cluster.advertise_host,
+        # receive regions are named after this (the main) process, which removes them when it exits:
+        # vLLM kills its engine processes at shutdown, so they cannot clean up themselves
+        "recv_prefix": f"asf-ec-recv-{os.getpid()}",
     }
+    return {"ec_connector": EC_CONNECTORS[ec.connector], "ec_connector_module_path": EC_MODULE,
+            "ec_role": ec_role, "ec_connector_extra_config": extra}
+
+
+def _check_processor_cache(config: Config) -> None:
+    """Cross-process EC reuse needs the consumer's in-process processor cache off."""
+    args = list(config.engine.vllm_args)
+    for key, value in config.engine.vllm.items():
+        args += _option(key, value)
+    for i, arg in enumerate(args):
+        if _arg_key(arg) != "mm-processor-cache-gb":
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            zero = float(value) == 0
+        except ValueError:
+            zero = False
+        if not zero:
+            raise ConfigError(
+                f"mm_processor_cache_gb = {value} on an EC consumer: with the encoder in another process the "
+                "in-process multimodal processor cache must be off (vLLM would skip sending an item it has "
+                "processed before, and the encoder output could not be matched); remove the setting, "
+                "ascendserve sets it to 0")
 
 
 def role_args(config: Config) -> list[str]:
@@ -75,6 +113,7 @@ def role_args(config: Config) -> list[str]:
     if role in ("prefill", "pd") and config.ec.enabled:
         # Cross-process EC reuse needs the in-process processor cache off,
         # or vLLM skips sending the item the encoder already produced.
+        _check_processor_cache(config)
         args += ["--ec-transfer-config", _json(ec_transfer_config(config, "ec_consumer"))]
         args += ["--mm-processor-cache-gb", "0"]
     return args
@@ -165,10 +204,46 @@ def serve(config: Config) -> int:
     env = prepare_environment(config)
     os.environ.update(env)
     log.info("starting vLLM", vllm_args=redact_args(argv))
+    held = _hold_ec_region(config)
     try:
         return _run(argv)
     finally:
         Path(env["VLLM_LOGGING_CONFIG_PATH"]).unlink(missing_ok=True)
+        _release_ec_regions(held)
+
+
+def _uses_ec(config: Config) -> bool:
+    return config.role == "encoder" or (config.role in ("prefill", "pd") and config.ec.enabled)
+
+
+def _hold_ec_region(config: Config):
+    """This process holds the host's EC region for the instance's life.
+
+    vLLM SIGKILLs its engine processes when it stops, so they never get to
+    close it; this process does, and the last holder on the host unlinks it."""
+    if not _uses_ec(config) or config.ec.connector != "shm":
+        return None
+    from ascendserve.connectors.ec.region import Region, RegionError
+
+    try:
+        return Region(config.ec.shm_name, size_bytes=config.ec.shm_size_mb << 20, block_size=config.ec.block_kb << 10)
+    except RegionError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _release_ec_regions(held) -> None:
+    if held is not None:
+        held.close()
+    prefix = f"asf-ec-recv-{os.getpid()}"
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
 
 
 def _run(argv: list[str]) -> int:

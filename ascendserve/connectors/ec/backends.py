@@ -1,0 +1,129 @@
+"""Where encoder outputs live between an encoder and its consumers.
+
+    shm        the host-wide Region (connectors/ec/region.py): same-host only
+    memcached  a cluster-wide pool (connectors/ec/memcached.py), chunked entries
+    mooncake   Mooncake Store (its master must run; `mooncake.store` installed)
+
+All keyed by vLLM's mm_hash. Producers `put`, schedulers ask `header`
+(presence plus what to allocate), consumers `read_into` a buffer. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ascendserve.connectors.ec import memcached
+from ascendserve.connectors.ec.memcached import StoreError
+from ascendserve.connectors.ec.region import Region
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class Store:
+    """A cluster-wide EC pool."""
+
+    name = ""
+
+    def put(self, mm_hash: str, data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> bool:
+        raise NotImplementedError
+
+    def info(self, mm_hash: str) -> ItemInfo | None:
+        raise NotImplementedError
+
+    def read_into(self, mm_hash: str, info: ItemInfo, out: np.ndarray) -> bool:
+        raise NotImplementedError
+
+    def delete(self, mm_hash: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class MemcachedStore(Store):
+    name = "memcached"
+
+    def __init__(self, url: str, chunk_bytes: int, ttl_s: int, timeout_s: float = 2.0):
+        self.client = memcached.Client(url, timeout_s)
+        self.chunk_bytes, self.ttl_s = chunk_bytes, ttl_s
+        self._headers: dict[str, memcached.Header] = {}
+
+    def put(self, mm_hash, data, dtype, shape) -> bool:
+        return memcached.put_entry(self.client, mm_hash, memoryview(data), dtype, shape, self.chunk_bytes, self.ttl_s)
+
+    def info(self, mm_hash) -> ItemInfo | None:
+        h = memcached.get_header(self.client, mm_hash)
+        if h is None:
+            return None
+        self._headers[mm_hash] = h
+        if len(self._headers) > 4096:
+            self._headers.pop(next(iter(self._headers)))
+        return ItemInfo(h.dtype, tuple(h.shape), h.nbytes)
+
+    def read_into(self, mm_hash, info, out) -> bool:
+        h = self._headers.pop(mm_hash, None) or memcached.get_header(self.client, mm_hash)
+        if h is None or h.nbytes != info.nbytes:
+            return False
+        return memcached.read_entry_into(self.client, mm_hash, h, memoryview(out))
+
+    def delete(self, mm_hash) -> None:
+        memcached.delete_entry(self.client, mm_hash)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class MooncakeStore(Store):
+    """Mooncake Store: the header rides in a small companion key, the value in one object."""
+
+    name = "mooncake"
+
+    def __init__(self, master: str, local_host: str, segment_bytes: int, buffer_bytes: int, metadata: str):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise StoreError(f"[ec] store_backend=mooncake needs the mooncake package: {exc}") from None
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(local_host, metadata, segment_bytes, buffer_bytes, "tcp", "", master)
+        if rc != 0:
+            raise StoreError(f"Mooncake Store setup against master {master} failed (code {rc})")
+
+    def put(self, mm_hash, data, dtype, shape) -> bool:
+        head = memcached.new_header(dtype, shape, data.nbytes, max(1, data.nbytes))
+        if self.store.put(memcached.PREFIX + mm_hash + ":data", bytes(memoryview(data))) != 0:
+            return False
+        import msgspec
+        return self.store.put(memcached.header_key(mm_hash), msgspec.msgpack.encode(head)) == 0
+
+    def info(self, mm_hash) -> ItemInfo | None:
+        raw = self.store.get(memcached.header_key(mm_hash))
+        h = memcached.decode_header(raw) if raw else None
+        return ItemInfo(h.dtype, tuple(h.shape), h.nbytes) if h else None
+
+    def read_into(self, mm_hash, info, out) -> bool:
+        raw = self.store.get(memcached.PREFIX + mm_hash + ":data")
+        if not raw or len(raw) != info.nbytes:
+            return False
+        out[: info.nbytes] = np.frombuffer(raw, np.uint8)
+        return True
+
+    def delete(self, mm_hash) -> None:
+        self.store.remove(memcached.header_key(mm_hash))
+        self.store.remove(memcached.PREFIX + mm_hash + ":data")
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except Exception:
+            pass
+
+
+def region_for(name: str, size_bytes: int, block_size: int) -> Region:
+    return Region(name, size_bytes=size_bytes, block_size=block_size)

@@ -1,0 +1,311 @@
+"""A small memcached client (text protocol) for the EC store, and the entry format.
+
+One EC entry is a header plus value chunks, so items larger than the
+server's item limit (`-I`, 1 MiB by default) still fit:
+
+    asf-ec:<mm_hash>                  msgpack {v, dtype, shape, nbytes, chunk, n, nonce}
+    asf-ec:<mm_hash>:<nonce>:<i>      bytes [i*chunk, (i+1)*chunk) of the item
+
+Writers store the chunks first and the header last, so a reader that sees
+the header finds its chunks (unless memcached evicted one since: a miss).
+Every key carries an expiry: an entry whose writer died still goes away.
+
+`Client` is blocking (vLLM worker threads); `AsyncClient` answers "which of
+these hashes are stored" for the proxy. Neither imports numpy or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import msgspec
+
+PREFIX = "asf-ec:"
+_HEADER_VERSION = 1
+
+
+class StoreError(Exception):
+    """The store could not be reached or answered nonsense (the message says which)."""
+
+
+def header_key(mm_hash: str) -> str:
+    return PREFIX + mm_hash
+
+
+def chunk_key(mm_hash: str, nonce: str, i: int) -> str:
+    return f"{PREFIX}{mm_hash}:{nonce}:{i}"
+
+
+class Header(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    v: int
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    chunk: int
+    n: int
+    nonce: str
+
+
+def new_header(dtype: str, shape: tuple[int, ...], nbytes: int, chunk: int) -> Header:
+    return Header(v=_HEADER_VERSION, dtype=dtype, shape=list(shape), nbytes=nbytes, chunk=chunk,
+                  n=max(1, -(-nbytes // chunk)), nonce=os.urandom(4).hex())
+
+
+def decode_header(raw: bytes) -> Header | None:
+    try:
+        h = msgspec.msgpack.decode(raw, type=Header)
+    except msgspec.DecodeError:
+        return None
+    return h if h.v == _HEADER_VERSION and h.chunk > 0 and h.nbytes >= 0 else None
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    host, _, port = url.removeprefix("memcached://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"memcached address must be host:port, got {url!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class _Value:
+    key: str
+    size: int
+
+
+class Client:
+    """Blocking client; one connection, reconnected after any error. Thread-safe (one lock)."""
+
+    def __init__(self, url: str, timeout_s: float = 2.0):
+        self.host, self.port = parse_url(url)
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock, self._buf = None, bytearray()
+
+    def _conn(self) -> socket.socket:
+        if self._sock is None:
+            try:
+                self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+            except OSError as exc:
+                raise StoreError(f"memcached {self.host}:{self.port} unreachable: {exc}") from None
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._sock
+
+    def _call(self, fn):
+        with self._lock:
+            try:
+                return fn(self._conn())
+            except StoreError:
+                self._drop()
+                raise
+            except (OSError, ValueError) as exc:
+                self._drop()
+                raise StoreError(f"memcached {self.host}:{self.port}: {exc}") from None
+
+    # ---- framing ---------------------------------------------------------------
+    def _line(self, sock: socket.socket) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n")
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[: i + 2]
+                return line
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise StoreError("memcached closed the connection")
+            self._buf += chunk
+
+    def _exact_into(self, sock: socket.socket, out: memoryview) -> None:
+        take = min(len(self._buf), len(out))
+        out[:take] = self._buf[:take]
+        del self._buf[:take]
+        got = take
+        while got < len(out):
+            n = sock.recv_into(out[got:])
+            if not n:
+                raise StoreError("memcached closed the connection")
+            got += n
+
+    def _skip_crlf(self, sock: socket.socket) -> None:
+        crlf = bytearray(2)
+        self._exact_into(sock, memoryview(crlf))
+        if crlf != b"\r\n":
+            raise StoreError("memcached: malformed value framing")
+
+    # ---- commands ----------------------------------------------------------------
+    def set(self, key: str, value: bytes | memoryview, exptime: int) -> bool:
+        def run(sock: socket.socket) -> bool:
+            data = memoryview(value).cast("B")
+            sock.sendall(f"set {key} 0 {exptime} {len(data)}\r\n".encode())
+            sock.sendall(data)
+            sock.sendall(b"\r\n")
+            reply = self._line(sock)
+            if reply == b"STORED":
+                return True
+            if reply.startswith((b"SERVER_ERROR", b"NOT_STORED")):
+                return False
+            raise StoreError(f"memcached set: {reply[:100]!r}")
+        return self._call(run)
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+
+        def sink(value: _Value, sock: socket.socket) -> None:
+            buf = bytearray(value.size)
+            self._exact_into(sock, memoryview(buf))
+            out[value.key] = bytes(buf)
+        self._get(keys, sink)
+        return out
+
+    def get_into(self, targets: dict[str, memoryview]) -> set[str]:
+        """Read each key's value into its buffer (sizes must match); returns the keys found."""
+        found: set[str] = set()
+
+        def sink(value: _Value, sock: socket.socket) -> None:
+            dest = targets.get(value.key)
+            if dest is None or len(dest) != value.size:
+                scratch = bytearray(value.size)
+                self._exact_into(sock, memoryview(scratch))
+                return
+            self._exact_into(sock, dest)
+            found.add(value.key)
+        self._get(list(targets), sink)
+        return found
+
+    def _get(self, keys: list[str], sink) -> None:
+        if not keys:
+            return
+
+        def run(sock: socket.socket) -> None:
+            for start in range(0, len(keys), 64):
+                sock.sendall(("get " + " ".join(keys[start:start + 64]) + "\r\n").encode())
+                while True:
+                    line = self._line(sock)
+                    if line == b"END":
+                        break
+                    parts = line.split()
+                    if len(parts) < 4 or parts[0] != b"VALUE":
+                        raise StoreError(f"memcached get: {line[:100]!r}")
+                    sink(_Value(parts[1].decode(), int(parts[3])), sock)
+                    self._skip_crlf(sock)
+        self._call(run)
+
+    def delete(self, key: str) -> bool:
+        def run(sock: socket.socket) -> bool:
+            sock.sendall(f"delete {key}\r\n".encode())
+            return self._line(sock) == b"DELETED"
+        return self._call(run)
+
+    def stats(self) -> dict[str, str]:
+        def run(sock: socket.socket) -> dict[str, str]:
+            sock.sendall(b"stats\r\n")
+            out = {}
+            while (line := self._line(sock)) != b"END":
+                _, k, v = line.decode().split(" ", 2)
+                out[k] = v
+            return out
+        return self._call(run)
+
+    def keys(self) -> list[str]:
+        """Every live key (memcached's LRU crawler metadump); for tests and operators."""
+        def run(sock: socket.socket) -> list[str]:
+            sock.sendall(b"lru_crawler metadump all\r\n")
+            out = []
+            while (line := self._line(sock)) != b"END":
+                if line.startswith(b"key="):
+                    from urllib.parse import unquote
+                    out.append(unquote(line.split()[0][4:].decode()))
+                elif line.startswith((b"ERROR", b"CLIENT_ERROR", b"BUSY")):
+                    raise StoreError(f"memcached metadump: {line[:100]!r}")
+            return out
+        return self._call(run)
+
+
+# ---- entries -----------------------------------------------------------------------
+def put_entry(client: Client, mm_hash: str, data: memoryview, dtype: str, shape: tuple[int, ...],
+              chunk: int, ttl_s: int) -> bool:
+    """Store one item as chunks then header; False if the server refused a piece."""
+    data = memoryview(data).cast("B")
+    h = new_header(dtype, shape, len(data), chunk)
+    for i in range(h.n):
+        if not client.set(chunk_key(mm_hash, h.nonce, i), data[i * chunk:(i + 1) * chunk], ttl_s):
+            for j in range(i):
+                client.delete(chunk_key(mm_hash, h.nonce, j))
+            return False
+    return client.set(header_key(mm_hash), msgspec.msgpack.encode(h), ttl_s)
+
+
+def get_header(client: Client, mm_hash: str) -> Header | None:
+    raw = client.get_many([header_key(mm_hash)]).get(header_key(mm_hash))
+    return decode_header(raw) if raw is not None else None
+
+
+def read_entry_into(client: Client, mm_hash: str, h: Header, out: memoryview) -> bool:
+    """Read an item's chunks into `out` (h.nbytes long); False if a chunk is gone."""
+    out = memoryview(out).cast("B")
+    targets = {chunk_key(mm_hash, h.nonce, i): out[i * h.chunk: min(h.nbytes, (i + 1) * h.chunk)]
+               for i in range(h.n)}
+    return len(client.get_into(targets)) == h.n
+
+
+def delete_entry(client: Client, mm_hash: str) -> None:
+    raw = client.get_many([header_key(mm_hash)]).get(header_key(mm_hash))
+    client.delete(header_key(mm_hash))
+    h = decode_header(raw) if raw is not None else None
+    if h is not None:
+        for i in range(h.n):
+            client.delete(chunk_key(mm_hash, h.nonce, i))
+
+
+class AsyncClient:
+    """The proxy's view: which of these hashes have an entry. A fresh connection per call."""
+
+    def __init__(self, url: str, timeout_s: float = 0.5):
+        self.host, self.port = parse_url(url)
+        self.timeout_s = timeout_s
+
+    async def present(self, mm_hashes: list[str]) -> set[str]:
+        if not mm_hashes:
+            return set()
+        return await asyncio.wait_for(self._present(mm_hashes), self.timeout_s)
+
+    async def _present(self, mm_hashes: list[str]) -> set[str]:
+        try:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        except OSError as exc:
+            raise StoreError(f"memcached {self.host}:{self.port} unreachable: {exc}") from None
+        try:
+            keys = [header_key(h) for h in mm_hashes]
+            writer.write(("get " + " ".join(keys) + "\r\n").encode())
+            await writer.drain()
+            found = set()
+            while True:
+                line = (await reader.readuntil(b"\r\n"))[:-2]
+                if line == b"END":
+                    return found
+                parts = line.split()
+                if len(parts) < 4 or parts[0] != b"VALUE":
+                    raise StoreError(f"memcached get: {line[:100]!r}")
+                raw = await reader.readexactly(int(parts[3]) + 2)
+                if decode_header(raw[:-2]) is not None:
+                    found.add(parts[1].decode().removeprefix(PREFIX))
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            raise StoreError(f"memcached {self.host}:{self.port}: {exc}") from None
+        finally:
+            writer.close()

@@ -1,0 +1,125 @@
+"""The host-wide EC region: allocator, LRU, pins with deadlines, multi-process life cycle."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from ascendserve.connectors.ec.region import Region, RegionError
+
+BLOCK = 4096
+
+
+@pytest.fixture
+def name():
+    n = f"asf-ec-test-{uuid.uuid4().hex[:8]}"
+    yield n
+    assert not os.path.exists(f"/dev/shm/{n}"), "the last close left the region in /dev/shm"
+
+
+def item(seed: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def test_roundtrip_multi_block_and_partial_tail(name):
+    r = Region(name, size_bytes=16 * BLOCK, block_size=BLOCK)
+    try:
+        for i, n in enumerate((1, BLOCK, 3 * BLOCK + 17)):
+            data = item(i, n)
+            assert r.write(f"h{i}", data, "float32" if n % 4 == 0 else "uint8", (n,))
+            e = r.pin(f"h{i}", ttl_s=5)
+            assert e.nbytes == n and e.shape == (n,)
+            assert np.array_equal(r.read(e), data)
+            r.unpin(f"h{i}")
+        assert not r.write("h1", item(9, 10), "uint8", (10,)), "a second write of one key must be refused"
+        assert r.pin("absent", 5) is None
+    finally:
+        r.close()
+
+
+def test_lru_evicts_oldest_unpinned_first(name):
+    r = Region(name, size_bytes=4 * BLOCK, block_size=BLOCK)
+    try:
+        for k in "abcd":
+            assert r.write(k, item(ord(k), BLOCK), "uint8", (BLOCK,))
+        assert r.pin("a", ttl_s=60) is not None  # a: most recently used, and pinned
+        assert r.write("e", item(5, 2 * BLOCK), "uint8", (2 * BLOCK,))
+        assert r.contains("a") and not r.contains("b") and not r.contains("c")
+        assert r.contains("d") and r.contains("e")
+        # only pinned "a" and the rest are too small for a 4-block item
+        assert not r.write("big", item(6, 4 * BLOCK), "uint8", (4 * BLOCK,))
+        assert r.contains("a"), "a pinned entry was evicted"
+        assert r.stats()["evictions"] >= 4
+    finally:
+        r.close()
+
+
+def test_expired_pin_and_dead_writer_are_reclaimed(name):
+    r = Region(name, size_bytes=2 * BLOCK, block_size=BLOCK)
+    try:
+        assert r.write("a", item(1, BLOCK), "uint8", (BLOCK,))
+        assert r.pin("a", ttl_s=0.05) is not None
+        assert r.write("b", item(2, BLOCK), "uint8", (BLOCK,))
+        assert r.write("c", item(3, BLOCK), "uint8", (BLOCK,))  # evicts b, not pinned a
+        assert r.contains("a") and not r.contains("b")
+        time.sleep(0.1)  # a's pin deadline passed: its holder is presumed dead
+        assert r.write("d", item(4, 2 * BLOCK), "uint8", (2 * BLOCK,))
+        assert not r.contains("a") and not r.contains("c")
+    finally:
+        r.close()
+
+
+def test_layout_mismatch_is_refused(name):
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    try:
+        with pytest.raises(RegionError, match="same \\[ec\\] shm"):
+            Region(name, size_bytes=16 * BLOCK, block_size=BLOCK)
+    finally:
+        r.close()
+
+
+def _writer(name: str, ready, hold: bool) -> None:
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    r.write("x", item(7, 2 * BLOCK + 5), "uint8", (2 * BLOCK + 5,))
+    ready.set()
+    if hold:
+        time.sleep(60)
+    r.close()
+
+
+def test_other_process_reads_and_last_close_unlinks(name):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_writer, args=(name, ready, True))
+    p.start()
+    try:
+        assert ready.wait(60)
+        r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+        e = r.pin("x", 5)
+        assert e is not None and np.array_equal(r.read(e), item(7, 2 * BLOCK + 5))
+    finally:
+        os.kill(p.pid, signal.SIGKILL)  # the writer dies holding the region
+        p.join()
+    r.close()  # the survivor is the last holder: the name goes
+
+
+def test_stale_region_of_a_dead_holder_starts_empty(name):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_writer, args=(name, ready, True))
+    p.start()
+    assert ready.wait(60)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    assert os.path.exists(f"/dev/shm/{name}")  # nobody was left to unlink it
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    try:
+        assert not r.contains("x") and r.stats()["free_blocks"] == 8
+    finally:
+        r.close()
