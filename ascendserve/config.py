@@ -110,6 +110,8 @@ class ProxyConfig(_Section):
     mode: Literal["pull", "push"] = "pull"
     encoder_dispatch: Literal["single", "fanout"] = "single"
     encoder_fallback: Literal["local", "fail"] = "local"
+    mm_hash_algorithm: Literal["blake3", "sha256", "sha512"] = "blake3"  # the engines' --mm-hasher-algorithm
+    max_image_pixels: PositiveInt = 178_956_970  # larger images get 400 at the proxy (vLLM's own default limit)
     prefix_aware: bool = False
     prefix_chars: PositiveInt = 1024
     prefix_slack_tokens: NonNegative = 0.0  # how much busier the prefix-affine instance may be

@@ -250,6 +250,9 @@ def _run(argv: list[str]) -> int:
     from ascendserve.engine.torchvision_compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
+    from ascendserve.engine import media_errors
+
+    media_errors.install()
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args

@@ -24,6 +24,7 @@ from ascendserve.config import Config, ConfigError, instance_url
 from ascendserve.protocol.openai import APIError, parse
 from ascendserve.router.discovery import RegistryWatch
 from ascendserve.router.health import HealthMonitor
+from ascendserve.router.ec import ECLookup
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
 from ascendserve.router.pools import ACTIVE, ROLES, Pools
@@ -197,7 +198,8 @@ def create_app(config: Config) -> Litestar:
     metrics_ = ProxyMetrics(pools)
     health_ = HealthMonitor(pools, upstream, settings)
     pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
-                        config.cluster.metaserver_url, config.cluster.token)
+                        config.cluster.metaserver_url, config.cluster.token,
+                        ECLookup.from_config(config.ec, settings.mm_hash_algorithm))
     watch = None
     if config.cluster.metaserver_url:
         watch = RegistryWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,
@@ -216,6 +218,8 @@ def create_app(config: Config) -> Litestar:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await upstream.close()
+            if pipeline.ec_lookup is not None:
+                pipeline.ec_lookup.close()
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
                    "upstream": upstream, "watch": watch})

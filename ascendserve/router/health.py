@@ -75,6 +75,8 @@ class HealthMonitor:
                 return False
             models = msgspec.json.decode(raw).get("data", [])
             inst.models = tuple(m["id"] for m in models if isinstance(m, dict) and "id" in m)
+            roots = [m.get("root") for m in models if isinstance(m, dict) and isinstance(m.get("root"), str)]
+            inst.root = roots[0] if roots else ""
             return True
         except (UpstreamError, msgspec.DecodeError, AttributeError, TypeError):
             return False

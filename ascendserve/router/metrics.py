@@ -42,6 +42,11 @@ class ProxyMetrics:
         self.fallbacks = Counter("ascendserve_proxy_encoder_fallbacks",
                                  "multimodal requests encoded on the PD/P instance because no encoder answered",
                                  registry=r)
+        self.encoder_skips = Counter("ascendserve_proxy_encoder_skips",
+                                     "multimodal requests whose items were all in the EC store (no encoder hop)",
+                                     registry=r)
+        self.ec_store_errors = Counter("ascendserve_proxy_ec_store_errors",
+                                       "EC store lookups that failed (the encoder was asked instead)", registry=r)
         self.ttft = Histogram("ascendserve_proxy_ttft_seconds", "time to first streamed byte",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("ascendserve_proxy_e2e_seconds", "end-to-end request latency",

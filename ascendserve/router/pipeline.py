@@ -4,8 +4,11 @@ Life cycle of a request (each hop picks the least-loaded instance of its
 role and holds a Lease on it for exactly as long as it uses it):
 
     encode     only when the request has multimodal parts and encoders exist;
-               `single` sends the request once, `fanout` one request per item,
-               concurrently. max_tokens=1: the encoder only publishes the EC.
+               skipped when the EC store already holds every item (the proxy
+               hashes them as vLLM does). `single` sends the request once,
+               `fanout` one request per item, concurrently. max_tokens=1: the
+               encoder only publishes the EC; its ec_transfer_params go on to
+               P/PD, which wait briefly for items still being saved.
                All encoders down -> PD/P encode locally (`encoder_fallback=local`)
                or 503 (`fail`). An encoder's 4xx (bad image) goes to the client.
     prefill    pull mode: P computes the prompt with max_tokens=1 and returns
@@ -36,7 +39,9 @@ from ascendserve.connectors.transport.channel import free_remote
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
                                          only_part, prefix_key)
-from ascendserve.router.media import encoder_tokens
+from ascendserve.connectors.ec.memcached import StoreError
+from ascendserve.router.ec import ECLookup
+from ascendserve.router.media import encoder_tokens, image_size, part_url
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pools import Instance, Lease, Pool, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
@@ -63,8 +68,10 @@ def sse_error(message: str, code: int = 502) -> bytes:
 
 class Pipeline:
     def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig, metrics: ProxyMetrics,
-                 on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = ""):
+                 on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = "",
+                 ec_lookup: ECLookup | None = None):
         self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
+        self.ec_lookup = ec_lookup
         self.on_unreachable = on_unreachable
         self.metaserver_url = metaserver_url.rstrip("/")
         self.metaserver_headers = {"authorization": f"Bearer {cluster_token}"} if cluster_token else {}
@@ -81,7 +88,9 @@ class Pipeline:
         headers = {"x-request-id": request_id}
         tokens = estimated_tokens(body)
         if kind == "chat":
-            await self._encode(body, headers)
+            ec_params = await self._encode(body, headers)
+            if ec_params:
+                body = dict(body, ec_transfer_params=ec_params)
         disaggregated = self.pools.has_active("prefill") and self.pools.has_active("decode")
         if disaggregated and self.settings.mode == "pull":
             return await self._prefill_then_decode(kind, body, headers, tokens)
@@ -136,29 +145,74 @@ class Pipeline:
             lease.release(ok=ok)
 
     # ---- encode ------------------------------------------------------------
-    async def _encode(self, body: dict, headers: dict) -> None:
+    async def _encode(self, body: dict, headers: dict) -> dict | None:
+        """Run the encoder hop if needed; the encoders' ec_transfer_params for P/PD."""
         parts = mm_parts(body)
-        if not parts or not self.pools.has_active("encoder"):
-            return
+        if not parts:
+            return None
+        self._check_sizes([p for _, _, p in parts])
+        if await self._all_in_store([p for _, _, p in parts], headers["x-request-id"]):
+            return None
+        if not self.pools.has_active("encoder"):
+            return None
         if self.settings.encoder_dispatch == "fanout" and len(parts) > 1:
             jobs = [(only_part(body, i, j), [p]) for i, j, p in parts]
         else:
             jobs = [(body, [p for _, _, p in parts])]
         try:
-            await asyncio.gather(*(self._encode_one(b, items, headers) for b, items in jobs))
+            replies = await asyncio.gather(*(self._encode_one(b, items, headers) for b, items in jobs))
         except APIError as exc:
             if exc.status < 500 or self.settings.encoder_fallback == "fail":
                 raise
             self.metrics.fallbacks.inc()
             log.warning("encoder unavailable; the next instance encodes locally", detail=exc.message)
+            return None
+        merged: dict = {}
+        for reply in replies:
+            params = reply.get("ec_transfer_params") if isinstance(reply, dict) else None
+            if isinstance(params, dict):
+                merged.update(params)
+        return merged or None
 
-    async def _encode_one(self, body: dict, items: list[dict], headers: dict) -> None:
+    def _check_sizes(self, parts: list[dict]) -> None:
+        """Refuse images whose header claims more pixels than the engines accept, before any hop."""
+        for part in parts:
+            size = image_size(part_url(part))
+            if size and size[0] * size[1] > self.settings.max_image_pixels:
+                raise APIError(400, f"image of {size[0]}x{size[1]} pixels is above the limit of "
+                               f"{self.settings.max_image_pixels} pixels", param="messages", code="image_too_large")
+
+    async def _all_in_store(self, parts: list[dict], request_id: str) -> bool:
+        if self.ec_lookup is None:
+            return False
+        model_id = self.pools.model_root(("pd", "prefill", "encoder"))
+        hashes = self.ec_lookup.hashes(parts, model_id) if model_id else None
+        if not hashes:
+            return False
+        try:
+            present = await self.ec_lookup.present(hashes)
+        except (StoreError, asyncio.TimeoutError) as exc:
+            self.metrics.ec_store_errors.inc()
+            if self.settings.encoder_fallback == "fail":
+                raise APIError(503, f"EC store unavailable: {str(exc)[:200]}", type="service_unavailable",
+                               code="ec_store_unavailable") from None
+            log.warning("EC store unreachable; asking the encoder (P/PD encode if they cannot reach it either)",
+                        detail=str(exc)[:200])
+            return False
+        if len(present) < len(set(hashes)):
+            return False
+        self.metrics.encoder_skips.inc()
+        log.info("every item is in the EC store; encoder hop skipped", items=len(hashes))
+        return True
+
+    async def _encode_one(self, body: dict, items: list[dict], headers: dict) -> dict:
         e_body = dict(body, max_tokens=1, stream=False)
         e_body.pop("max_completion_tokens", None)
         e_body.pop("stream_options", None)
         cost = encoder_tokens(items)
-        await self._with_retries(
+        reply, _ = await self._with_retries(
             "encoder", lambda pool, inst: self._post_leased(pool, inst, PATHS["chat"], e_body, headers, cost))
+        return reply
 
     # ---- prefill (pull) -----------------------------------------------------
     async def _prefill_then_decode(self, kind: str, body: dict, headers: dict, tokens: int) -> Reply:
@@ -171,6 +225,7 @@ class Pipeline:
             "prefill", lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], p_body, headers, tokens))
         hold = self.pools["prefill"].lease(p_inst, 0, kv=tokens)  # P keeps the KV until D has it
         d_body = dict(body)
+        d_body.pop("ec_transfer_params", None)  # D has no EC connector
         if p_reply.get("kv_transfer_params"):
             d_body["kv_transfer_params"] = p_reply["kv_transfer_params"]
         return await self._decode_holding(kind, d_body, headers, tokens, hold)
@@ -218,6 +273,7 @@ class Pipeline:
                            type="service_unavailable", code="metaserver_unavailable") from None
         callback = f"{self.metaserver_url}/v1/metaserver?ticket={answer['ticket']}"
         d_body = dict(body, kv_transfer_params=kv_params.push_decode_params(callback))
+        d_body.pop("ec_transfer_params", None)  # for P (through the metaserver), not D
         return await self._decode_holding(kind, d_body, headers, tokens, hold)
 
     # ---- decode ------------------------------------------------------------

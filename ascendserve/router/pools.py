@@ -32,6 +32,7 @@ class Instance:
     instance_id: str = ""
     state: str = PROBING
     models: tuple[str, ...] = ()
+    root: str = ""  # the model path it serves (vLLM's /v1/models `root`): part of every mm_hash
     active_requests: int = 0
     active_tokens: int = 0
     active_kv: int = 0
@@ -195,6 +196,14 @@ class Pools:
 
     def has_active(self, role: str) -> bool:
         return any(i.state == ACTIVE for i in self.by_role[role].instances.values())
+
+    def model_root(self, roles: tuple[str, ...]) -> str:
+        """The model path served by the first active instance of these roles (in this order)."""
+        for role in roles:
+            for inst in self.by_role[role].instances.values():
+                if inst.state == ACTIVE and inst.root:
+                    return inst.root
+        return ""
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}

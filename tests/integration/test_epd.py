@@ -1,0 +1,324 @@
+"""Encoder disaggregation (EPD) with every EC connector: example, shm, store (memcached).
+
+One cluster per connector on the tiny VL model: an encoder, a PD, a prefill
+and a decode (pull KV), and two proxies (1E1PD; 1E1P1D with fan-out
+encoding). Greedy ids through each must equal one plain vLLM instance's,
+and the tests prove the hand-off happened: the encoder counts its requests
+(vLLM's own request counter), the consumers count the items they loaded
+(our ascendserve:ec_hits_total; for vLLM's example connector, its log).
+After each cluster stops, nothing may be left: no EC region in /dev/shm,
+and no entry in memcached once the killed encoder's entries have expired.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import struct
+import subprocess
+import time
+import zlib
+
+import httpx
+import pytest
+
+from ascendserve.connectors.ec import memcached
+from ascendserve.launch.children import kill_group
+from tests.procs import ascendserve, control, free_port, plain_vllm, start_all, wait_for
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 16
+STORE_TTL_S = 20
+CONNECTORS = ["example", "shm", "store"]
+
+
+def png_bytes(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4}[mode]
+    pixels = (rng.random((height, width, channels)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels, mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def messages(*urls: str, text: str = "Describe these pictures in detail.") -> list:
+    return [{"role": "user", "content": [*(image_part(u) for u in urls), {"type": "text", "text": text}]}]
+
+
+def chat(url: str, model: str, msgs: list, max_tokens: int = MAX_TOKENS) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
+
+
+def chat_ids(url: str, model: str, msgs: list) -> list[int]:
+    r = chat(url, model, msgs)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def metric(proc, name: str) -> float:
+    text = httpx.get(proc.url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)$", text, re.M))
+
+
+def encoder_served(encoder) -> float:
+    return metric(encoder, "vllm:request_success_total")
+
+
+def loaded(proc, connector: str) -> float:
+    """Items this consumer loaded from the EC store instead of encoding them."""
+    if connector == "example":
+        return float(len(re.findall(r"Success load encoder cache for hash", proc.log_text())))
+    return metric(proc, "ascendserve:ec_hits_total")
+
+
+def ec_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("asf-ec")}
+
+
+@pytest.fixture(scope="module")
+def vl_oracle(vl_model, tmp_path_factory):
+    oracle = plain_vllm(vl_model, tmp_path_factory.mktemp("vl-oracle"), name="vllm-vl")
+    start_all(oracle)
+    yield oracle
+    oracle.stop()
+
+
+class Memcached:
+    def __init__(self, port: int):
+        self.port = port
+        self.url = f"127.0.0.1:{port}"
+        self.popen = None
+
+    def start(self) -> "Memcached":
+        user = ["-u", "root"] if os.getuid() == 0 else []
+        self.popen = subprocess.Popen(["memcached", *user, "-l", "127.0.0.1", "-p", str(self.port), "-U", "0",
+                                       "-m", "64", "-I", "1m"])
+        client = memcached.Client(self.url)
+        wait_for(lambda: _answers(client), 10, "memcached did not start")
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(10)
+
+
+def _answers(client) -> bool:
+    try:
+        client.stats()
+        return True
+    except memcached.StoreError:
+        return False
+
+
+@pytest.fixture(scope="module", params=CONNECTORS)
+def epd(request, vl_model, vl_oracle, tmp_path_factory):
+    connector = request.param
+    logs = tmp_path_factory.mktemp(f"epd-{connector}")
+    ec_dir = tmp_path_factory.mktemp(f"ec-{connector}")
+    before = ec_segments()
+    store = Memcached(free_port()).start() if connector == "store" else None
+    ec = ["--ec-connector", connector]
+    if connector == "example":
+        ec += ["--ec-path", str(ec_dir)]
+    if connector == "shm":
+        ec += ["--ec-shm-name", f"asf-ec-test-{os.getpid()}", "--ec-shm-size-mb", "64"]
+    if connector == "store":
+        # tiny embeddings are a few KiB: small chunks so every item is chunked
+        ec += ["--ec-store-url", store.url, "--ec-chunk-kb", "8", "--ec-ttl", str(STORE_TTL_S)]
+    debug = ["--log-level", "debug"] if connector == "example" else []  # its loads are only logged
+    engine_ec = ec
+    encoder = ascendserve("encoder", vl_model, logs, *engine_ec, name="encoder")
+    pd = ascendserve("pd", vl_model, logs, *engine_ec, "--ec-enabled", *debug, name="pd")
+    prefill = ascendserve("prefill", vl_model, logs, *engine_ec, "--ec-enabled", "--kv-connector", "pull", *debug,
+                          name="prefill")
+    decode = ascendserve("decode", vl_model, logs, "--kv-connector", "pull", name="decode")
+    engines = [encoder, pd, prefill, decode]
+    procs = list(engines)
+    # the proxy asks the same store to skip the encoder
+    proxy_ec = {"example": ["--ec-connector", "example", "--ec-path", str(ec_dir)],
+                "shm": ["--ec-connector", "shm", "--ec-shm-name", f"asf-ec-test-{os.getpid()}",
+                        "--ec-shm-size-mb", "64"],
+                "store": ["--ec-connector", "store", "--ec-store-url", store.url if store else ""]}[connector]
+    try:
+        start_all(*engines)
+        e = f"127.0.0.1:{encoder.port}"
+        proxy_pd = control("proxy", logs, "--encoder", e, "--pd", f"127.0.0.1:{pd.port}", *proxy_ec,
+                           name="proxy-1e1pd")
+        proxy_pdd = control("proxy", logs, "--encoder", e, "--prefill", f"127.0.0.1:{prefill.port}",
+                            "--decode", f"127.0.0.1:{decode.port}", "--encoder-dispatch", "fanout", *proxy_ec,
+                            name="proxy-1e1p1d")
+        procs += [proxy_pd, proxy_pdd]
+        start_all(proxy_pd, proxy_pdd)
+        for proxy in (proxy_pd, proxy_pdd):
+            wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 120, f"{proxy.name} unhealthy")
+        yield {"connector": connector, "encoder": encoder, "pd": pd, "prefill": prefill, "decode": decode,
+               "proxy_1e1pd": proxy_pd, "proxy_1e1p1d": proxy_pdd, "oracle": vl_oracle, "model": str(vl_model),
+               "store": store, "ec_dir": ec_dir, "seed": 1000 * CONNECTORS.index(connector)}
+    finally:
+        for p in procs:
+            p.stop()
+        try:
+            left = ec_segments() - before
+            assert not left, f"EC shared memory left in /dev/shm after every instance stopped: {left}"
+            if store is not None:
+                _assert_store_drains(store)
+        finally:
+            if store is not None:
+                store.stop()
+
+
+def _assert_store_drains(store: Memcached) -> None:
+    """Entries of the stopped encoder were deleted; those of the killed one expire (every key has a TTL)."""
+    client = memcached.Client(store.url)
+    try:
+        deadline = time.monotonic() + STORE_TTL_S + 15
+        while True:
+            keys = [k for k in client.keys() if k.startswith(memcached.PREFIX)]
+            live = client.get_many(keys) if keys else {}
+            if not live:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"EC entries still in memcached {STORE_TTL_S}s after their TTL: {sorted(live)[:5]}")
+            time.sleep(1)
+    finally:
+        client.close()
+
+
+# ---- correctness --------------------------------------------------------------------
+def test_1e1pd_equals_plain_vllm(epd):
+    c, model, seed = epd, epd["model"], epd["seed"]
+    proxy, oracle, pd, encoder = c["proxy_1e1pd"], c["oracle"], c["pd"], c["encoder"]
+    one = data_url(png_bytes(112, 84, seed + 1))
+    two = [data_url(png_bytes(160, 120, seed + 2)), data_url(png_bytes(96, 128, seed + 3, "RGBA"))]
+    cases = [messages(one), messages(*two, text="Compare the two pictures.")]
+    for msgs in cases:
+        served, hits = encoder_served(encoder), loaded(pd, c["connector"])
+        expected = chat_ids(oracle.url, model, msgs)
+        assert len(expected) == MAX_TOKENS and len(set(expected)) > 3
+        assert chat_ids(proxy.url, model, msgs) == expected
+        assert encoder_served(encoder) == served + 1, "the encoder hop did not happen (single dispatch)"
+        items = len(msgs[0]["content"]) - 1
+        assert loaded(pd, c["connector"]) == hits + items, "PD encoded instead of loading the encoder's output"
+    served = encoder_served(encoder)
+    text_only = [{"role": "user", "content": "Just text, no picture here."}]
+    assert chat_ids(proxy.url, model, text_only) == chat_ids(oracle.url, model, text_only)
+    assert encoder_served(encoder) == served, "a text-only request went to the encoder"
+
+
+def test_1e1p1d_fanout_equals_plain_vllm(epd):
+    c, model, seed = epd, epd["model"], epd["seed"]
+    proxy, oracle, prefill, encoder = c["proxy_1e1p1d"], c["oracle"], c["prefill"], c["encoder"]
+    cases = [messages(data_url(png_bytes(224, 112, seed + 4)), text="What colours dominate this picture?"),
+             messages(data_url(png_bytes(84, 84, seed + 5)), data_url(png_bytes(140, 70, seed + 6)),
+                      data_url(png_bytes(70, 140, seed + 7)), text="Three pictures: which is noisiest?")]
+    for msgs in cases:
+        served, hits = encoder_served(encoder), loaded(prefill, c["connector"])
+        items = len(msgs[0]["content"]) - 1
+        assert chat_ids(proxy.url, model, msgs) == chat_ids(oracle.url, model, msgs)
+        assert encoder_served(encoder) == served + items, "fan-out: one encoder request per item"
+        assert loaded(prefill, c["connector"]) == hits + items, "P encoded instead of loading the encoder's output"
+    text_only = [{"role": "user", "content": "Only words travel through prefill and decode."}]
+    assert chat_ids(proxy.url, model, text_only) == chat_ids(oracle.url, model, text_only)
+
+
+def test_same_image_again_skips_the_encoder(epd):
+    """The proxy finds the item in the store (hashing it as vLLM does) and skips the encoder."""
+    c, model, seed = epd, epd["model"], epd["seed"]
+    image = data_url(png_bytes(128, 96, seed + 8))
+    first = messages(image, text="First look at this picture.")
+    second = messages(image, text="A second, different question about the same picture.")
+    assert chat_ids(c["proxy_1e1pd"].url, model, first) == chat_ids(c["oracle"].url, model, first)
+    served = encoder_served(c["encoder"])
+    hits = loaded(c["prefill"], c["connector"])
+    # through the other proxy and the prefill, which has never seen this image
+    assert chat_ids(c["proxy_1e1p1d"].url, model, second) == chat_ids(c["oracle"].url, model, second)
+    assert encoder_served(c["encoder"]) == served, "the encoder was asked for an item the store already held"
+    assert metric(c["proxy_1e1p1d"], "ascendserve_proxy_encoder_skips_total") >= 1
+    assert loaded(c["prefill"], c["connector"]) == hits + 1, "P did not load the stored item"
+
+
+def test_store_restarted_empty(epd):
+    """Store down: requests still succeed (encoded locally); restarted empty: the encoder republishes."""
+    c, model, seed = epd, epd["model"], epd["seed"]
+    if c["connector"] == "shm":
+        pytest.skip("the shm region lives as long as an instance on the host holds it; it cannot be restarted alone")
+    seen = messages(data_url(png_bytes(112, 112, seed + 9)), text="Seen once by the PD.")
+    assert chat_ids(c["proxy_1e1pd"].url, model, seen) == chat_ids(c["oracle"].url, model, seen)
+    if c["connector"] == "store":
+        c["store"].stop()
+        fresh = messages(data_url(png_bytes(100, 60, seed + 10)), text="The store is down right now.")
+        assert chat_ids(c["proxy_1e1pd"].url, model, fresh) == chat_ids(c["oracle"].url, model, fresh)
+        assert metric(c["proxy_1e1pd"], "ascendserve_proxy_ec_store_errors_total") >= 1
+        c["store"].start()  # empty
+    else:
+        for entry in c["ec_dir"].iterdir():
+            for f in entry.iterdir():
+                f.unlink()
+            entry.rmdir()
+    served, hits = encoder_served(c["encoder"]), loaded(c["prefill"], c["connector"])
+    again = messages(*[p["image_url"]["url"] for p in seen[0]["content"][:1]], text="Now through P and D.")
+    assert chat_ids(c["proxy_1e1p1d"].url, model, again) == chat_ids(c["oracle"].url, model, again)
+    assert encoder_served(c["encoder"]) == served + 1, "the store is empty: the encoder must be asked"
+    if c["connector"] == "store":
+        # the encoder had it in its own cache and republished it; P loaded it
+        assert loaded(c["prefill"], c["connector"]) == hits + 1
+
+
+# ---- bad input ------------------------------------------------------------------------
+def _png_header_only(width: int, height: int) -> bytes:
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+
+
+def test_bad_images_get_a_4xx(epd):
+    c, model = epd, epd["model"]
+    if c["connector"] != "shm":
+        pytest.skip("bad input is checked once, on the shm cluster")
+    good = png_bytes(64, 64, 77)
+    closed = free_port()
+    bad = {
+        "truncated": data_url(good[: len(good) // 2]),
+        "not an image": data_url(b"this is plain text, not a picture" * 10),
+        "huge dimensions": data_url(_png_header_only(30000, 30000)),
+        "unreachable url": f"http://127.0.0.1:{closed}/picture.png",
+    }
+    for what, url in bad.items():
+        for target in (c["proxy_1e1pd"], c["proxy_1e1p1d"], c["encoder"], c["pd"]):
+            r = chat(target.url, model, messages(url), max_tokens=4)
+            assert 400 <= r.status_code < 500, f"{what} via {target.name}: {r.status_code} {r.text[:300]}"
+            assert r.json()["error"]["message"], f"{what} via {target.name}: no message"
+    for proc in (c["encoder"], c["pd"], c["prefill"], c["decode"]):
+        assert proc.popen.poll() is None, f"{proc.name} died on bad input"
+    ok = messages(data_url(good))
+    assert chat_ids(c["proxy_1e1pd"].url, model, ok) == chat_ids(c["oracle"].url, model, ok)
+
+
+# ---- failures (last: the encoder stays dead) ---------------------------------------------
+def test_encoder_sigkill_falls_back_to_local_encoding(epd):
+    c, model, seed = epd, epd["model"], epd["seed"]
+    encoder = c["encoder"]
+    kill_group(encoder.popen.pid, grace_s=0, tracker_grace_s=10)
+    encoder.popen.wait(10)
+    for proxy, consumer in ((c["proxy_1e1pd"], c["pd"]), (c["proxy_1e1p1d"], c["prefill"])):
+        msgs = messages(data_url(png_bytes(150, 100, seed + 11 + len(proxy.name))), text="After the encoder died.")
+        assert chat_ids(proxy.url, model, msgs) == chat_ids(c["oracle"].url, model, msgs)
+        assert metric(proxy, "ascendserve_proxy_encoder_fallbacks_total") >= 1
+        assert consumer.popen.poll() is None
