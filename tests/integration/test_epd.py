@@ -142,9 +142,9 @@ def epd(request, vl_model, vl_oracle, tmp_path_factory):
     if connector == "store":
         # tiny embeddings are a few KiB: small chunks so every item is chunked
         ec += ["--ec-store-url", store.url, "--ec-chunk-kb", "8", "--ec-ttl", str(STORE_TTL_S)]
-    debug = ["--log-level", "debug"] if connector == "example" else []  # its loads are only logged
+    debug = ["--log-level", "debug"] if connector in ("example", "store") else []  # its loads are only logged
     engine_ec = ec
-    encoder = ascendserve("encoder", vl_model, logs, *engine_ec, name="encoder")
+    encoder = ascendserve("encoder", vl_model, logs, *engine_ec, *debug, name="encoder")
     pd = ascendserve("pd", vl_model, logs, *engine_ec, "--ec-enabled", *debug, name="pd")
     prefill = ascendserve("prefill", vl_model, logs, *engine_ec, "--ec-enabled", "--kv-connector", "pull", *debug,
                           name="prefill")

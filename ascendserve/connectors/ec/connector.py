@@ -53,6 +53,7 @@ from ascendserve.connectors.ec.backends import ItemInfo, MemcachedStore, Mooncak
 from ascendserve.connectors.ec.memcached import StoreError
 from ascendserve.connectors.ec.region import Entry, Region, RegionError
 from ascendserve.connectors.ec.stats import ECStats
+from ascendserve.connectors.transport.threads import unpin_current_thread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -348,6 +349,7 @@ class AscendECConnector(ECConnectorBase):
             store = self._store_()
             info = store.info(mm_hash)
             self._store_unreachable = False
+            logger.debug("EC fetch %s: %s", mm_hash, info)
             if info is None:
                 return None
             data = np.empty(info.nbytes, np.uint8)
@@ -456,6 +458,7 @@ class AscendECConnector(ECConnectorBase):
             return
         meta = self._get_connector_metadata()
         for mm_hash in getattr(meta, "republish", ()):
+            logger.debug("EC republish check %s: in encoder cache %s", mm_hash, mm_hash in encoder_cache)
             if mm_hash in encoder_cache:
                 self._enqueue(mm_hash, encoder_cache[mm_hash], check=True)
 
@@ -469,6 +472,9 @@ class AscendECConnector(ECConnectorBase):
             logger.warning("EC saver is behind (256 items queued); %s is not published", mm_hash)
 
     def _save_loop(self) -> None:
+        # started from vLLM's worker, whose core its OpenMP team spins on: without
+        # widening its mask this thread waits seconds for a time slice
+        unpin_current_thread()
         while True:
             job = self._saves.get()
             if job is None:
@@ -477,6 +483,7 @@ class AscendECConnector(ECConnectorBase):
             try:
                 self._save_one(mm_hash, tensor, check)
             except StoreError as exc:
+                logger.debug("EC save of %s failed: %s", mm_hash, exc)
                 self._store_down(exc)
             except Exception:
                 logger.exception("EC save of %s failed", mm_hash)
@@ -491,6 +498,7 @@ class AscendECConnector(ECConnectorBase):
         store = self._store_()
         if check and store.info(mm_hash) is not None:
             return
+        logger.debug("EC save %s (%d bytes, republish=%s)", mm_hash, data.nbytes, check)
         if store.put(mm_hash, data, dtype, shape):
             self._written[mm_hash] = None
             if len(self._written) > 100_000:

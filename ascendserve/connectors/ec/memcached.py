@@ -109,14 +109,18 @@ class Client:
 
     def _call(self, fn):
         with self._lock:
-            try:
-                return fn(self._conn())
-            except StoreError:
-                self._drop()
-                raise
-            except (OSError, ValueError) as exc:
-                self._drop()
-                raise StoreError(f"memcached {self.host}:{self.port}: {exc}") from None
+            # a kept connection may have died with a server restart since its last use: one fresh try
+            for attempt in (0, 1):
+                reused = self._sock is not None
+                try:
+                    return fn(self._conn())
+                except (StoreError, OSError, ValueError) as exc:
+                    self._drop()
+                    if attempt == 0 and reused:
+                        continue
+                    if isinstance(exc, StoreError):
+                        raise
+                    raise StoreError(f"memcached {self.host}:{self.port}: {exc}") from None
 
     # ---- framing ---------------------------------------------------------------
     def _line(self, sock: socket.socket) -> bytes:
@@ -225,15 +229,20 @@ class Client:
     def keys(self) -> list[str]:
         """Every live key (memcached's LRU crawler metadump); for tests and operators."""
         def run(sock: socket.socket) -> list[str]:
+            from urllib.parse import unquote
+
             sock.sendall(b"lru_crawler metadump all\r\n")
-            out = []
-            while (line := self._line(sock)) != b"END":
-                if line.startswith(b"key="):
-                    from urllib.parse import unquote
-                    out.append(unquote(line.split()[0][4:].decode()))
-                elif line.startswith((b"ERROR", b"CLIENT_ERROR", b"BUSY")):
-                    raise StoreError(f"memcached metadump: {line[:100]!r}")
-            return out
+            # one item per "\n"-terminated line, then END\r\n (or an error line)
+            while not (self._buf.endswith(b"END\r\n") or self._buf.startswith((b"ERROR", b"CLIENT_ERROR", b"BUSY"))
+                       and self._buf.endswith(b"\r\n")):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise StoreError("memcached closed the connection")
+                self._buf += chunk
+            text, self._buf = bytes(self._buf), bytearray()
+            if not text.endswith(b"END\r\n"):
+                raise StoreError(f"memcached metadump: {text[:100]!r}")
+            return [unquote(line.split()[0][4:].decode()) for line in text.split(b"\n") if line.startswith(b"key=")]
         return self._call(run)
 
 
