@@ -79,6 +79,7 @@ class Stub:
 
     async def _generate(self, path, body, headers, receive, send):
         self.stats["requests"] += 1
+        self.stats["last_ec_transfer_params"] = body.get("ec_transfer_params")
         role, kv = self.args.role, body.get("kv_transfer_params") or {}
         chat = path.endswith("chat/completions")
         rid = headers.get(b"x-request-id", b"").decode() or f"stub{next(self.ids)}"
@@ -95,7 +96,9 @@ class Stub:
             return await self._json(send, reply)
         if role == "encoder":
             self.stats["encodes"] += 1
-            return await self._json(send, self._completion(chat, rid, 1))
+            reply = self._completion(chat, rid, 1)
+            reply["ec_transfer_params"] = {f"stub-hash-{self.stats['encodes']}": {"item_indices": [0]}}
+            return await self._json(send, reply)
         if role == "decode" and self.args.require_kv:
             if kv.get("metaserver"):
                 ok = await self._push_callback(kv["metaserver"], chat, rid)

@@ -154,6 +154,8 @@ class Pipeline:
         if await self._all_in_store([p for _, _, p in parts], headers["x-request-id"]):
             return None
         if not self.pools.has_active("encoder"):
+            if self.pools["encoder"].instances:  # encoders exist, none is healthy
+                self._fallback("no healthy encoder")
             return None
         if self.settings.encoder_dispatch == "fanout" and len(parts) > 1:
             jobs = [(only_part(body, i, j), [p]) for i, j, p in parts]
@@ -162,10 +164,9 @@ class Pipeline:
         try:
             replies = await asyncio.gather(*(self._encode_one(b, items, headers) for b, items in jobs))
         except APIError as exc:
-            if exc.status < 500 or self.settings.encoder_fallback == "fail":
+            if exc.status < 500:
                 raise
-            self.metrics.fallbacks.inc()
-            log.warning("encoder unavailable; the next instance encodes locally", detail=exc.message)
+            self._fallback(exc.message)
             return None
         merged: dict = {}
         for reply in replies:
@@ -173,6 +174,14 @@ class Pipeline:
             if isinstance(params, dict):
                 merged.update(params)
         return merged or None
+
+    def _fallback(self, why: str) -> None:
+        """The encoder hop cannot run: P/PD encode the items themselves, or 503 (`encoder_fallback=fail`)."""
+        if self.settings.encoder_fallback == "fail":
+            raise APIError(503, f"encoder unavailable: {why[:200]}", type="service_unavailable",
+                           code="encoder_unavailable")
+        self.metrics.fallbacks.inc()
+        log.warning("encoder unavailable; the next instance encodes locally", detail=why[:200])
 
     def _check_sizes(self, parts: list[dict]) -> None:
         """Refuse images whose header claims more pixels than the engines accept, before any hop."""

@@ -269,3 +269,50 @@ def test_registry_join_and_missed_heartbeat(tmp_path):
     finally:
         proxy.stop()
         meta.stop()
+
+
+def test_encoder_hop_passes_ec_params_on_and_falls_back_or_fails(tmp_path):
+    e, pd = stub("encoder", tmp_path), stub("pd", tmp_path)
+    start_all(e, pd)
+    conf = tmp_path / "proxy.toml"
+    conf.write_text("[proxy]\nhealth_interval_s = 0.5\neject_after = 2\nmax_retries = 1\n")
+    common = ["--config", str(conf), "--encoder", f"127.0.0.1:{e.port}", "--pd", f"127.0.0.1:{pd.port}"]
+    local = control("proxy", tmp_path, *common, name="proxy-local")
+    fail = control("proxy", tmp_path, *common, "--encoder-fallback", "fail", name="proxy-fail")
+    procs = [e, pd, local, fail]
+    try:
+        start_all(local, fail)
+        for proxy in (local, fail):
+            wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
+        image = {"type": "image_url", "image_url": {"url": "http://images.invalid/a.png"}}
+        body = {"model": "stub-model", "max_tokens": 4, "messages": [
+            {"role": "user", "content": [image, {"type": "text", "text": "what is this?"}]}]}
+        r = httpx.post(local.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert stats(e)["encodes"] == 1
+        assert stats(pd)["last_ec_transfer_params"] == {"stub-hash-1": {"item_indices": [0]}}, \
+            "the encoder's ec_transfer_params must reach the PD hop"
+        text_only = {"model": "stub-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(local.url + "/v1/chat/completions", json=text_only, timeout=30).status_code == 200
+        assert stats(e)["encodes"] == 1 and stats(pd)["last_ec_transfer_params"] is None
+
+        e.popen.send_signal(signal.SIGKILL)
+        e.popen.wait(10)
+        r = httpx.post(fail.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "encoder unavailable" in r.json()["error"]["message"], r.text
+        served = stats(pd)["requests"]
+        r = httpx.post(local.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert stats(pd)["requests"] == served + 1 and stats(pd)["last_ec_transfer_params"] is None
+        metrics = httpx.get(local.url + "/metrics", timeout=5).text
+        assert "ascendserve_proxy_encoder_fallbacks_total 1.0" in metrics
+        assert "encoder unavailable; the next instance encodes locally" in local.log_text()
+        # once ejected (no healthy encoder), every request still says so
+        wait_for(lambda: '"state": "ejected"' in local.log_text() or "ejected" in local.log_text(), timeout=10)
+        assert httpx.post(local.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        assert "ascendserve_proxy_encoder_fallbacks_total 2.0" in httpx.get(local.url + "/metrics").text
+        r = httpx.post(fail.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+    finally:
+        for p in procs:
+            p.stop()

@@ -6,20 +6,18 @@ connectors (shared filesystem); the tests also prove the hand-off happened
 (files written by the producer, the consumer's log saying it loaded them),
 so a consumer that silently recomputed everything could not pass.
 Push mode needs a layerwise KV connector (the connectors issue); its proxy
-and metaserver side is covered over stubs in test_proxy_stubs.py.
+and metaserver side is covered over stubs in test_proxy_stubs.py. Topologies
+with an encoder (1E1PD, 1E1P1D) are in test_epd.py, once per EC connector.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import re
 
 import httpx
 import pytest
 
-from tests.procs import ascendserve, control, plain_vllm, start_all
+from tests.procs import ascendserve, control, start_all
 
 pytestmark = pytest.mark.integration
 
@@ -134,105 +132,3 @@ def test_mono_through_proxy_found_via_registry(text_cluster, text_model):
     assert stream_text(c["proxy_mono"].url, "/v1/completions", body) == \
         stream_text(c["oracle"].url, "/v1/completions", body)
     assert '"path": "/v1/completions"' in c["pd"].log_text()
-
-
-def png_data_url(width: int, height: int, seed: int) -> str:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    pixels = (rng.random((height, width, 3)) * 255).astype("uint8")
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-@pytest.fixture(scope="module")
-def vl_cluster(vl_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vl-logs")
-    ec, kv = tmp_path_factory.mktemp("ec-store"), tmp_path_factory.mktemp("kv-store-vl")
-    oracle = plain_vllm(vl_model, logs, name="vllm-vl")
-    encoder = ascendserve("encoder", vl_model, logs, "--ec-path", str(ec))
-    pd = ascendserve("pd", vl_model, logs, "--ec-path", str(ec), "--ec-enabled", "--log-level", "debug", name="pd-vl")
-    prefill = ascendserve("prefill", vl_model, logs, "--ec-path", str(ec), "--ec-enabled", "--kv-path", str(kv),
-                          "--log-level", "debug", name="prefill-vl")
-    decode = ascendserve("decode", vl_model, logs, "--kv-path", str(kv), name="decode-vl")
-    procs = [oracle, encoder, pd, prefill, decode]
-    try:
-        start_all(*procs)
-        e = f"127.0.0.1:{encoder.port}"
-        proxy_epd = control("proxy", logs, "--encoder", e, "--pd", f"127.0.0.1:{pd.port}", name="proxy-1e1pd")
-        proxy_epd_pd = control("proxy", logs, "--encoder", e, "--prefill", f"127.0.0.1:{prefill.port}",
-                               "--decode", f"127.0.0.1:{decode.port}", name="proxy-1e1p1d")
-        procs += [proxy_epd, proxy_epd_pd]
-        start_all(proxy_epd, proxy_epd_pd)
-        for proxy in (proxy_epd, proxy_epd_pd):
-            wait_healthy(proxy)
-        yield {"oracle": oracle, "encoder": encoder, "pd": pd, "prefill": prefill, "decode": decode, "ec": ec,
-               "proxy_1e1pd": proxy_epd, "proxy_1e1p1d": proxy_epd_pd}
-    finally:
-        for p in procs:
-            p.stop()
-
-
-def image_messages(seed: int, w: int, h: int, text: str = "Describe this picture in detail.") -> list:
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": png_data_url(w, h, seed)}},
-        {"type": "text", "text": text},
-    ]}]
-
-
-def ec_hashes(ec) -> set:
-    return {p.name for p in ec.iterdir() if (p / "encoder_cache.safetensors").is_file()}
-
-
-def loaded_hashes(proc) -> set:
-    return set(re.findall(r"Success load encoder cache for hash (\w+)", proc.log_text()))
-
-
-def encoder_requests(encoder) -> int:
-    return encoder.log_text().count('"path": "/v1/chat/completions"')
-
-
-def test_1e1pd_direct_equals_plain_vllm(vl_cluster, vl_model):
-    c, model = vl_cluster, str(vl_model)
-    for seed, (w, h) in enumerate([(112, 84), (160, 120)]):
-        messages = image_messages(seed, w, h)
-        expected = chat_ids(c["oracle"].url, model, messages, MAX_TOKENS)
-        assert len(expected) == MAX_TOKENS and len(set(expected)) > 4
-        # E runs the vision tower only and publishes the output by mm_hash.
-        before = ec_hashes(c["ec"])
-        r = httpx.post(c["encoder"].url + "/v1/chat/completions", timeout=120,
-                       json={"model": model, "messages": messages, "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        new = ec_hashes(c["ec"]) - before
-        assert len(new) == 1
-        assert chat_ids(c["pd"].url, model, messages, MAX_TOKENS) == expected
-        assert new <= loaded_hashes(c["pd"]), "PD ran the encoder itself instead of loading E's output"
-
-
-def test_1e1pd_through_proxy(vl_cluster, vl_model):
-    c, model = vl_cluster, str(vl_model)
-    messages = image_messages(7, 200, 150)
-    calls, before = encoder_requests(c["encoder"]), ec_hashes(c["ec"])
-    assert chat_ids(c["proxy_1e1pd"].url, model, messages, MAX_TOKENS) == \
-        chat_ids(c["oracle"].url, model, messages, MAX_TOKENS)
-    assert encoder_requests(c["encoder"]) == calls + 1
-    new = ec_hashes(c["ec"]) - before
-    assert len(new) == 1 and new <= loaded_hashes(c["pd"]), "PD did not load E's output"
-    text_only = [{"role": "user", "content": "Just text, no picture here."}]
-    assert chat_ids(c["proxy_1e1pd"].url, model, text_only, MAX_TOKENS) == \
-        chat_ids(c["oracle"].url, model, text_only, MAX_TOKENS)
-    assert encoder_requests(c["encoder"]) == calls + 1, "a text-only request went to the encoder"
-
-
-def test_1e1p1d_through_proxy(vl_cluster, vl_model):
-    c, model = vl_cluster, str(vl_model)
-    messages = image_messages(11, 224, 112, "What colours dominate this noisy picture?")
-    hits = c["decode"].log_text().count("External Cache Hit!")
-    before = ec_hashes(c["ec"])
-    assert chat_ids(c["proxy_1e1p1d"].url, model, messages, MAX_TOKENS) == \
-        chat_ids(c["oracle"].url, model, messages, MAX_TOKENS)
-    new = ec_hashes(c["ec"]) - before
-    assert len(new) == 1 and new <= loaded_hashes(c["prefill"]), "P did not load E's output"
-    assert c["decode"].log_text().count("External Cache Hit!") == hits + 1, "D did not load P's KV"
