@@ -75,6 +75,7 @@ class ECConfig(_Section):
     store_backend: Literal["memcached", "mooncake"] = "memcached"
     store_url: str = ""  # memcached host:port (the proxy checks it too, to skip the encoder)
     mooncake_master: str = ""  # host:port of mooncake_master (store_backend = mooncake)
+    mooncake_segment_mb: Annotated[int, Meta(ge=1)] = 256  # memory an encoder contributes to the Mooncake pool
     shm_name: str = "asf-ec"  # region name in /dev/shm; one per host and cluster
     shm_size_mb: Annotated[int, Meta(ge=1)] = 512
     block_kb: Annotated[int, Meta(ge=4, multiple_of=4)] = 64

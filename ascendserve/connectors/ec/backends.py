@@ -81,7 +81,14 @@ class MemcachedStore(Store):
 
 
 class MooncakeStore(Store):
-    """Mooncake Store: the header rides in a small companion key, the value in one object."""
+    """Mooncake Store (P2PHANDSHAKE: only its master runs besides us).
+
+    The value is one object (`asf-ec:<hash>:data`, written and read without
+    a staging copy: put_from / get_into on our buffers) plus the header
+    object. Data lives in the segments the clients contribute: producers
+    give `segment_bytes`, consumers none, so an entry goes when the encoder
+    that holds it stops (Mooncake's master also evicts when segments fill).
+    """
 
     name = "mooncake"
 
@@ -95,28 +102,37 @@ class MooncakeStore(Store):
         if rc != 0:
             raise StoreError(f"Mooncake Store setup against master {master} failed (code {rc})")
 
+    @staticmethod
+    def _data_key(mm_hash: str) -> str:
+        return memcached.PREFIX + mm_hash + ":data"
+
     def put(self, mm_hash, data, dtype, shape) -> bool:
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         head = memcached.new_header(dtype, shape, data.nbytes, max(1, data.nbytes))
-        if self.store.put(memcached.PREFIX + mm_hash + ":data", bytes(memoryview(data))) != 0:
+        rc = self.store.put_from(self._data_key(mm_hash), data.ctypes.data, data.nbytes)
+        if rc != 0:
+            if rc <= -900:
+                raise StoreError(f"Mooncake Store unreachable (code {rc})")
             return False
         import msgspec
+
         return self.store.put(memcached.header_key(mm_hash), msgspec.msgpack.encode(head)) == 0
 
     def info(self, mm_hash) -> ItemInfo | None:
-        raw = self.store.get(memcached.header_key(mm_hash))
+        raw = self.store.get(memcached.header_key(mm_hash))  # b"" on a miss (or a failure)
         h = memcached.decode_header(raw) if raw else None
         return ItemInfo(h.dtype, tuple(h.shape), h.nbytes) if h else None
 
     def read_into(self, mm_hash, info, out) -> bool:
-        raw = self.store.get(memcached.PREFIX + mm_hash + ":data")
-        if not raw or len(raw) != info.nbytes:
+        out = np.asarray(out).reshape(-1).view(np.uint8)
+        if out.nbytes < info.nbytes or not out.flags.c_contiguous:
             return False
-        out[: info.nbytes] = np.frombuffer(raw, np.uint8)
-        return True
+        return self.store.get_into(self._data_key(mm_hash), out.ctypes.data, info.nbytes) == info.nbytes
 
     def delete(self, mm_hash) -> None:
-        self.store.remove(memcached.header_key(mm_hash))
-        self.store.remove(memcached.PREFIX + mm_hash + ":data")
+        # force: a recent get holds a lease on the object for a few seconds
+        self.store.remove(memcached.header_key(mm_hash), True)
+        self.store.remove(self._data_key(mm_hash), True)
 
     def close(self) -> None:
         try:

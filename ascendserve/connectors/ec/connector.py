@@ -144,14 +144,14 @@ class _ReqState:
     next_try: dict[str, float] = field(default_factory=dict)
 
 
-def make_store(s: Settings) -> Store:
+def make_store(s: Settings, producer: bool = True) -> Store:
     if s.backend == "memcached":
         if not s.store_url:
             raise ValueError("[ec] store_url (memcached host:port) is required for the store connector")
         return MemcachedStore(s.store_url, s.chunk_bytes, s.ttl_s)
     if s.backend == "mooncake":
-        return MooncakeStore(s.mooncake_master, s.local_host, s.mooncake_segment_bytes, 64 << 20,
-                             s.mooncake_metadata)
+        return MooncakeStore(s.mooncake_master, s.local_host, s.mooncake_segment_bytes if producer else 0,
+                             64 << 20, s.mooncake_metadata)
     raise ValueError(f"unknown EC store backend {s.backend!r}")
 
 
@@ -186,7 +186,8 @@ class AscendECConnector(ECConnectorBase):
     def _store_(self) -> Store:
         with self._store_lock:
             if self._store is None:
-                self._store = make_store(self.s)
+                # only the producer's saving rank contributes memory to a Mooncake pool
+                self._store = make_store(self.s, producer=self.is_producer and self.role_ == ECConnectorRole.WORKER)
             return self._store
 
     def _contains(self, mm_hash: str) -> bool:
