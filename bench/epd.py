@@ -245,7 +245,8 @@ def serve_bench(url: str, model: str, out_dir: Path, name: str, prompts: int, px
            "--random-output-len", "16", "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",
            "--random-mm-num-mm-items-range-ratio", "0", "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
            "--random-mm-bucket-config", f"{{({px}, {px}, 1): 1.0}}", "--max-concurrency", "4",
-           "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(out_dir),
+           "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--save-result", "--result-dir", str(out_dir),
            "--result-filename", f"{name}.json"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads((out_dir / f"{name}.json").read_text())

@@ -213,6 +213,29 @@ def serve(config: Config) -> int:
         _release_ec_regions(held)
 
 
+def _wait_for_children(timeout_s: float) -> None:
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    me = psutil.Process()
+    while time.monotonic() < deadline:
+        if not [p for p in me.children(recursive=True) if _still_running(p)]:
+            return
+        time.sleep(0.1)
+
+
+def _still_running(proc) -> bool:
+    """A live descendant other than multiprocessing's resource tracker (it lives until we exit)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def _uses_ec(config: Config) -> bool:
     return config.role == "encoder" or (config.role in ("prefill", "pd") and config.ec.enabled)
 
@@ -232,8 +255,12 @@ def _hold_ec_region(config: Config):
         raise ConfigError(str(exc)) from None
 
 
-def _release_ec_regions(held) -> None:
+def _release_ec_regions(held, wait_s: float = 15.0) -> None:
     if held is not None:
+        # vLLM's workers (children of its engine process) outlive the API server's
+        # shutdown by a moment and still hold the region: wait for them to go so
+        # that this close can be the last one and remove the name
+        _wait_for_children(wait_s)
         held.close()
     prefix = f"asf-ec-recv-{os.getpid()}"
     try:

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import time
 import zlib
+from pathlib import Path
 
 import httpx
 import pytest
@@ -45,6 +46,21 @@ def png_bytes(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels, mode).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def mp4_bytes(frames: int, width: int, height: int, seed: int) -> bytes:
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        writer = cv2.VideoWriter(f.name, cv2.VideoWriter_fourcc(*"mp4v"), 4, (width, height))
+        for _ in range(frames):
+            writer.write((rng.random((height, width, 3)) * 255).astype("uint8"))
+        writer.release()
+        return Path(f.name).read_bytes()
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -145,7 +161,10 @@ def epd(request, vl_model, vl_oracle, tmp_path_factory):
     debug = ["--log-level", "debug"] if connector in ("example", "store") else []  # its loads are only logged
     engine_ec = ec
     encoder = ascendserve("encoder", vl_model, logs, *engine_ec, *debug, name="encoder")
-    pd = ascendserve("pd", vl_model, logs, *engine_ec, "--ec-enabled", *debug, name="pd")
+    # the shm cluster's PD runs TP=2: each rank loads the items onto its own device
+    tp = ["--tensor-parallel-size", "2"] if connector == "shm" else []
+    pd = ascendserve("pd", vl_model, logs, *engine_ec, "--ec-enabled", *tp, *debug, name="pd",
+                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp else None)
     prefill = ascendserve("prefill", vl_model, logs, *engine_ec, "--ec-enabled", "--kv-connector", "pull", *debug,
                           name="prefill")
     decode = ascendserve("decode", vl_model, logs, "--kv-connector", "pull", name="decode")
@@ -207,7 +226,10 @@ def test_1e1pd_equals_plain_vllm(epd):
     proxy, oracle, pd, encoder = c["proxy_1e1pd"], c["oracle"], c["pd"], c["encoder"]
     one = data_url(png_bytes(112, 84, seed + 1))
     two = [data_url(png_bytes(160, 120, seed + 2)), data_url(png_bytes(96, 128, seed + 3, "RGBA"))]
-    cases = [messages(one), messages(*two, text="Compare the two pictures.")]
+    video = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(8, 112, 112, seed + 12), "video/mp4")}},
+        {"type": "text", "text": "What happens in this clip?"}]}]
+    cases = [messages(one), messages(*two, text="Compare the two pictures."), video]
     for msgs in cases:
         served, hits = encoder_served(encoder), loaded(pd, c["connector"])
         expected = chat_ids(oracle.url, model, msgs)
