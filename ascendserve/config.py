@@ -85,7 +85,6 @@ class ECConfig(_Section):
     pin_ttl_s: Annotated[float, Meta(gt=0.0)] = 60.0  # a consumer's pin on an entry lapses after this
     # consumer receive buffer (store): [2048, max_num_batched_tokens]; default max_num_batched_tokens
     recv_buffer_tokens: Annotated[int, Meta(ge=2048)] | None = None
-    delete_on_exit: bool = True  # an encoder deletes the store entries it wrote when it stops
 
 
 class LogConfig(_Section):

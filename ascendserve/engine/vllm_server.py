@@ -68,7 +68,7 @@ def ec_transfer_config(config: Config, ec_role: str) -> dict:
         "backend": "shm" if ec.connector == "shm" else ec.store_backend,
         "shm_name": ec.shm_name, "shm_bytes": ec.shm_size_mb << 20, "block_bytes": ec.block_kb << 10,
         "store_url": ec.store_url, "chunk_bytes": ec.chunk_kb << 10, "ttl_s": ec.ttl_s, "wait_s": ec.wait_s,
-        "pin_ttl_s": ec.pin_ttl_s, "recv_buffer_tokens": ec.recv_buffer_tokens, "delete_on_exit": ec.delete_on_exit,
+        "pin_ttl_s": ec.pin_ttl_s, "recv_buffer_tokens": ec.recv_buffer_tokens,
         "mooncake_master": ec.mooncake_master, "mooncake_segment_bytes": ec.mooncake_segment_mb << 20,
         "local_host": config.cluster.advertise_host,
         # receive regions are named after this (the main) process, which removes them when it exits:

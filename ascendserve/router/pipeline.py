@@ -72,6 +72,7 @@ class Pipeline:
                  ec_lookup: ECLookup | None = None):
         self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
         self.ec_lookup = ec_lookup
+        self._roots_warned = False
         self.on_unreachable = on_unreachable
         self.metaserver_url = metaserver_url.rstrip("/")
         self.metaserver_headers = {"authorization": f"Bearer {cluster_token}"} if cluster_token else {}
@@ -195,6 +196,12 @@ class Pipeline:
         if self.ec_lookup is None:
             return False
         model_id = self.pools.model_root(("pd", "prefill", "encoder"))
+        encoder_root = self.pools.model_root(("encoder",))
+        if encoder_root and model_id and encoder_root != model_id and not self._roots_warned:
+            self._roots_warned = True
+            log.warning("encoders and P/PD serve different model paths; vLLM's mm_hash includes the path, "
+                        "so no encoder output can ever be reused: start them with the same --model path",
+                        encoder=encoder_root, consumer=model_id)
         hashes = self.ec_lookup.hashes(parts, model_id) if model_id else None
         if not hashes:
             return False

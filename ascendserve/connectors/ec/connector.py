@@ -82,7 +82,6 @@ class Settings:
     pin_ttl_s: float = 60.0
     recv_buffer_tokens: int | None = None
     save_rank: int = 0
-    delete_on_exit: bool = True
     mooncake_master: str = ""
     mooncake_metadata: str = "P2PHANDSHAKE"
     mooncake_segment_bytes: int = 256 << 20
@@ -443,7 +442,6 @@ class AscendECConnector(ECConnectorBase):
         self._regions: dict[str, Region] = {}
         self._loaded: set[str] = set()
         self._saves: queue.Queue | None = None
-        self._written: dict[str, None] = {}
         if self.is_producer and self._rank == self.s.save_rank:
             self._saves = queue.Queue(maxsize=256)
             self._saver = threading.Thread(target=self._save_loop, name="ec-saver", daemon=True)
@@ -500,11 +498,7 @@ class AscendECConnector(ECConnectorBase):
         if check and store.info(mm_hash) is not None:
             return
         logger.debug("EC save %s (%d bytes, republish=%s)", mm_hash, data.nbytes, check)
-        if store.put(mm_hash, data, dtype, shape):
-            self._written[mm_hash] = None
-            if len(self._written) > 100_000:
-                self._written.pop(next(iter(self._written)))
-        else:
+        if not store.put(mm_hash, data, dtype, shape):
             logger.warning("EC store refused %s (%d bytes)", mm_hash, data.nbytes)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
@@ -547,12 +541,6 @@ class AscendECConnector(ECConnectorBase):
             if self._saves is not None:
                 self._saves.put(None)
                 self._saver.join(timeout=10)
-                if self.s.delete_on_exit and self._store is not None:
-                    for mm_hash in list(self._written):
-                        try:
-                            self._store.delete(mm_hash)
-                        except StoreError:
-                            break
             for region in self._regions.values():
                 region.close()
             self._regions.clear()
