@@ -177,3 +177,12 @@ def test_mooncake_segments_coalesce_runs():
     # one head run per page: P pages of 4 heads x 5 bytes, D pages of 2 heads x 5 bytes
     dst, src, lengths = segments([1000], [0], 20, 10, remote=[3, 4], local=[0, 1], head_bytes=5, heads=(2, 0, 2))
     assert src == [1070, 1090] and dst == [0, 10] and lengths == [10, 10]
+
+
+def test_free_that_arrives_before_the_hold_is_not_lost(pair):
+    """P answers before its next step registers the hold; a FREE in between must still free it."""
+    p, d, port = pair
+    assert free_remote("tok", "127.0.0.1", port, "early") == 1
+    p.start_load_kv(PullMetadata(send={"early": ([5, 6], 30.0)}))
+    results_until(p, lambda g: "early" in g[0])  # reported as sent at once, not at its 30 s deadline
+    assert p.held_count() == 0

@@ -59,6 +59,9 @@ class PullWorker:
         self._registered = threading.Condition(self._lock)
         self._changed = threading.Condition(self._lock)  # something to report
         self._held: dict[str, _Held] = {}
+        # FREE for a hold this worker has not registered yet (P answers the HTTP request
+        # before its next engine step registers the hold; the proxy may free at once)
+        self._early_frees: dict[str, float] = {}
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._failed: set[str] = set()
@@ -142,7 +145,11 @@ class PullWorker:
     def free(self, request_id: str) -> None:
         with self._lock:
             held = self._held.get(request_id)
-            if held is not None and not held.freed:
+            if held is None:
+                # remembered until the hold is registered (or for the wait a read gets)
+                self._early_frees[request_id] = time.monotonic() + max(self.hold_wait_s, 30.0)
+                return
+            if not held.freed:
                 held.freed = True
                 held.deadline = 0.0  # reported at the next step, once no read is in flight
                 self._changed.notify_all()
@@ -153,8 +160,12 @@ class PullWorker:
         self._idle_step = meta.idle
         with self._lock:
             for request_id, (blocks, ttl_s) in meta.send.items():
-                self._held[request_id] = _Held(frozenset(blocks), now + ttl_s)
+                held = self._held[request_id] = _Held(frozenset(blocks), now + ttl_s)
+                if self._early_frees.pop(request_id, None) is not None:
+                    held.freed, held.deadline = True, 0.0
                 log.debug("KV held for decode", request=request_id, blocks=len(blocks), ttl_s=ttl_s)
+            for request_id in [r for r, until in self._early_frees.items() if until <= now]:
+                del self._early_frees[request_id]
             if meta.send:
                 self._registered.notify_all()
         with self._lock:
