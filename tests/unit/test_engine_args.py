@@ -71,3 +71,36 @@ def test_common_arguments_and_passthrough(tmp_path, model_dir):
 def test_owned_arguments_refused(model_dir, arg):
     with pytest.raises(ConfigError, match="is set by ascendserve"):
         argv_for("pd", model_dir, engine__vllm_args=[arg])
+
+
+def test_our_ec_connectors_and_their_settings(model_dir):
+    argv = argv_for("pd", model_dir, ec__enabled=True, ec__connector="store", ec__store_url="10.0.0.5:11211",
+                    ec__chunk_kb="256", ec__recv_buffer_tokens="4096")
+    ec = json.loads(option(argv, "--ec-transfer-config"))
+    assert ec["ec_connector"] == "AscendECStoreConnector"
+    assert ec["ec_connector_module_path"] == "ascendserve.connectors.ec.connector"
+    extra = ec["ec_connector_extra_config"]
+    assert extra["backend"] == "memcached" and extra["store_url"] == "10.0.0.5:11211"
+    assert extra["chunk_bytes"] == 256 << 10 and extra["recv_buffer_tokens"] == 4096
+    assert extra["recv_prefix"].startswith("asf-ec-recv-")
+    shm = json.loads(option(argv_for("encoder", model_dir, ec__connector="shm"), "--ec-transfer-config"))
+    assert shm["ec_connector"] == "AscendECShmConnector" and shm["ec_role"] == "ec_producer"
+    assert shm["ec_connector_extra_config"]["backend"] == "shm"
+
+
+def test_ec_settings_are_checked(model_dir):
+    with pytest.raises(ConfigError, match="store_url"):
+        argv_for("encoder", model_dir, ec__connector="store")
+    with pytest.raises(ConfigError, match="mooncake_master"):
+        argv_for("encoder", model_dir, ec__connector="store", ec__store_backend="mooncake")
+    with pytest.raises(ConfigError, match="recv_buffer_tokens"):
+        argv_for("pd", model_dir, ec__enabled=True, ec__recv_buffer_tokens="1000")  # below 2048
+
+
+@pytest.mark.parametrize("how", [{"engine__vllm_args": ["--mm-processor-cache-gb=4"]},
+                                 {"engine__vllm_args": ["--mm-processor-cache-gb", "1"]}])
+def test_consumer_refuses_a_processor_cache(model_dir, how):
+    with pytest.raises(ConfigError, match="mm_processor_cache_gb = .* must be off"):
+        argv_for("pd", model_dir, ec__enabled=True, **how)
+    argv = argv_for("pd", model_dir, ec__enabled=True, engine__vllm_args=["--mm-processor-cache-gb=0"])
+    assert option(argv, "--mm-processor-cache-gb") == "0"
