@@ -16,7 +16,6 @@ import numpy as np
 
 from ascendserve.connectors.ec import memcached
 from ascendserve.connectors.ec.memcached import StoreError
-from ascendserve.connectors.ec.region import Region
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,3 @@ class MooncakeStore(Store):
             self.store.close()
         except Exception:
             pass
-
-
-def region_for(name: str, size_bytes: int, block_size: int) -> Region:
-    return Region(name, size_bytes=size_bytes, block_size=block_size)
