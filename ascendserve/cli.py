@@ -4,6 +4,8 @@
     ascendserve --role ROLE --help                    that role's flags
     ascendserve version
     ascendserve model tiny --kind text|vl --out DIR   random-weight checkpoint
+    ascendserve launch --role ROLE --dp-size N ...    data-parallel ranks of one role
+    ascendserve doctor [--peers host:port,...]        pre-flight check of this host
 
 This module imports neither torch nor vLLM: control-plane roles and --help
 must start in well under a second.
@@ -56,7 +58,9 @@ def _role_parser(role: str | None) -> argparse.ArgumentParser:
         prog="ascendserve",
         description=(f"role {role}: {ROLE_SUMMARY[role]}{available}" if role else
                      "Run one role of a disaggregated LLM serving cluster.\n\nroles:\n" + roles_help
-                     + "\n\nother commands:\n  version\n  model tiny --kind text|vl --out DIR"),
+                     + "\n\nother commands:\n  version\n  model tiny --kind text|vl --out DIR"
+                     "\n  launch --role ROLE --dp-size N [--dp-size-local L ...]   data-parallel ranks"
+                     "\n  doctor [--peers host:port,...]                          pre-flight check"),
         epilog="Every flag has an environment twin: --port <-> ASCENDSERVE_PORT. "
                "Precedence: defaults < --config file < environment < flags.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -127,5 +131,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     if argv[:1] == ["model"]:
         sys.exit(_model_command(argv[1:]))
+    if argv[:1] == ["launch"]:
+        from ascendserve.launch.dp import main as launch
+
+        sys.exit(launch(argv[1:]))
+    if argv[:1] == ["doctor"]:
+        from ascendserve.doctor import main as doctor
+
+        sys.exit(doctor(argv[1:]))
     sys.exit(_run_role(argv))
 

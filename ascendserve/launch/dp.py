@@ -1,0 +1,182 @@
+"""`ascendserve launch`: the external data-parallel launcher.
+
+    ascendserve launch --role decode --model DIR --dp-size 4 --dp-size-local 2 \\
+        --dp-rank-start 2 --dp-address 10.0.0.1 --dp-rpc-port 13345 \\
+        --engine-port 8100 --tp-size 1 [any other flag of the role ...]
+
+Starts `dp-size-local` engine processes on this node: local rank i is global
+DP rank `dp-rank-start + i`, serves on `engine-port + i`, and sees devices
+`[i*tp, (i+1)*tp)` (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES, or a
+block of cores through VLLM_CPU_OMP_THREADS_BIND on CPUs). Every flag it does
+not know goes to each rank unchanged (--metaserver-url: each rank registers,
+and the proxy balances over them). Ranks are supervised: one that dies is
+reported and restarted with a backoff.
+
+vLLM couples DP ranks only for MoE models (their experts are sharded across
+ranks); for dense models it refuses --data-parallel-* with external ranks and
+asks for independent instances, which is what the ranks then are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ascendserve.config import environ
+from ascendserve.launch.supervisor import Child, Supervisor
+from ascendserve.logging import configure, get_logger
+
+ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ascendserve launch", description=__doc__.split("\n\n")[0],
+                                epilog="Unknown flags are passed to every rank (ascendserve --role ROLE --help).")
+    p.add_argument("--role", choices=ENGINE_ROLES, required=True)
+    p.add_argument("--model", help="model directory (or model.path in --config)")
+    p.add_argument("--config", help="the role's TOML config, passed to every rank")
+    p.add_argument("--dp-size", type=int, required=True, help="data-parallel ranks in the whole deployment")
+    p.add_argument("--dp-size-local", type=int, help="ranks on this node (default: --dp-size)")
+    p.add_argument("--dp-rank-start", type=int, default=0, help="global rank of this node's first rank")
+    p.add_argument("--dp-address", default="127.0.0.1", help="DP master address (rank 0's node; MoE only)")
+    p.add_argument("--dp-rpc-port", type=int, default=13345, help="DP master RPC port (MoE only)")
+    p.add_argument("--engine-port", type=int, default=8100, help="HTTP port of local rank 0; rank i: + i")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices per rank")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
+    p.add_argument("--restart-backoff-max", type=float, default=30.0, metavar="S")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="auto")
+    return p
+
+
+def detect_device() -> str:
+    if glob.glob("/dev/davinci[0-9]*"):
+        return "npu"
+    if glob.glob("/dev/nvidia[0-9]*"):
+        return "cuda"
+    return "cpu"
+
+
+def is_moe(model_dir: str) -> bool:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    configs = [cfg, cfg.get("text_config") or {}]
+    return any(c.get(k) for c in configs for k in MOE_KEYS)
+
+
+def device_env(device: str, local_rank: int, tp: int, env: dict[str, str], cores: list[int],
+               ranks: int) -> dict[str, str]:
+    """What makes local rank `local_rank` use device block [local_rank*tp, (local_rank+1)*tp)."""
+    block = range(local_rank * tp, (local_rank + 1) * tp)
+    if device in VISIBLE:
+        visible = env.get(VISIBLE[device], "")
+        ids = visible.split(",") if visible else [str(i) for i in block]
+        if visible and len(ids) < block.stop:
+            raise ValueError(f"local rank {local_rank} needs devices {block.start}..{block.stop - 1} of "
+                             f"{VISIBLE[device]}={visible}")
+        return {VISIBLE[device]: ",".join(ids[i] for i in block) if visible else ",".join(ids)}
+    # CPU: each TP rank of each local DP rank gets its own block of this process's cores
+    # (more ranks than cores: blocks of one core, shared round-robin), in vLLM's syntax "0-3|4-7"
+    per = max(1, len(cores) // (ranks * tp))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
+        _cpu_list([cores[(slot * per + k) % len(cores)] for k in range(per)]) for slot in block)}
+
+
+def _cpu_list(ids: list[int]) -> str:
+    runs: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, str],
+                  device: str, moe: bool) -> list[Child]:
+    local = args.dp_size_local or args.dp_size
+    cores = sorted(os.sched_getaffinity(0))
+    children = []
+    for i in range(local):
+        rank = args.dp_rank_start + i
+        port = args.engine_port + i
+        argv = [*cli, "--role", args.role, "--port", str(port), "--tensor-parallel-size", str(args.tp_size),
+                "--log-level", args.log_level, "--log-format", args.log_format]
+        if args.model:
+            argv += ["--model", args.model]
+        if args.config:
+            argv += ["--config", args.config]
+        if args.role in ("prefill", "decode"):  # each TP rank of each DP rank needs its own side channel
+            argv += ["--kv-port", str(args.engine_port + 1000 + i * args.tp_size)]
+        if moe:
+            argv += [f"--vllm-arg=--data-parallel-size={args.dp_size}", f"--vllm-arg=--data-parallel-rank={rank}",
+                     f"--vllm-arg=--data-parallel-address={args.dp_address}",
+                     f"--vllm-arg=--data-parallel-rpc-port={args.dp_rpc_port}"]
+        child_env = device_env(device, i, args.tp_size, env, cores, local)
+        children.append(Child(f"{args.role}-dp{rank}", [*argv, *passthrough], child_env))
+    return children
+
+
+def _check(args) -> str | None:
+    local = args.dp_size_local or args.dp_size
+    if args.dp_size < 1 or local < 1 or args.tp_size < 1:
+        return "--dp-size, --dp-size-local and --tp-size must be >= 1"
+    if args.dp_rank_start < 0 or args.dp_rank_start + local > args.dp_size:
+        return (f"ranks {args.dp_rank_start}..{args.dp_rank_start + local - 1} do not fit in --dp-size "
+                f"{args.dp_size}")
+    if not 1 <= args.engine_port <= 65535 - local - 1000 * (args.role in ("prefill", "decode")):
+        return f"--engine-port {args.engine_port} leaves no room for {local} ranks"
+    return None
+
+
+def _model_path(args, env: dict[str, str]) -> str:
+    if args.model:
+        return args.model
+    if args.config:
+        from ascendserve.config import ConfigError, load
+
+        try:
+            return load(args.role, args.config, {}, env).model.path
+        except ConfigError:
+            return ""
+    return env.get("ASCENDSERVE_MODEL", "")
+
+
+def main(argv: list[str]) -> int:
+    args, passthrough = parser().parse_known_args(argv)
+    if error := _check(args):
+        print(f"ascendserve launch: error: {error}", file=sys.stderr)
+        return 2
+    env = environ()
+    configure("launch", f"launch-{args.role}-{args.dp_rank_start}", args.log_level, args.log_format)
+    log = get_logger("ascendserve.launch")
+    device = detect_device() if args.device == "auto" else args.device
+    model = _model_path(args, env)
+    moe = is_moe(model)
+    cli = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "ascendserve"]
+    try:
+        children = rank_children(args, passthrough, cli, env, device, moe)
+    except ValueError as exc:
+        print(f"ascendserve launch: error: {exc}", file=sys.stderr)
+        return 2
+    log.info("launching data-parallel ranks", role=args.role, device=device, dp_size=args.dp_size,
+             ranks=[c.name for c in children], ports=[args.engine_port + i for i in range(len(children))],
+             coupling="vLLM data parallel (MoE)" if moe else "independent instances (dense model)")
+    supervisor = Supervisor(children, env, args.restart_backoff_max)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: supervisor.stopping.set())
+    supervisor.start_all()
+    try:
+        supervisor.run()
+    finally:
+        supervisor.stop_all()
+    return 0
