@@ -28,9 +28,15 @@ say() { printf '[install] %s\n' "$*" >&2; }
 apt_packages() {
     # libibverbs1: Mooncake's transfer engine loads it even over TCP.
     # memcached: the EC store backend and its tests.
+    # systemd: systemd-analyze, which verifies the release's units (tests).
+    # cmake, ninja-build, g++: the native/ ops.
     local missing=()
     dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
     command -v memcached >/dev/null 2>&1 || missing+=(memcached)
+    command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+    command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+    command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
+    command -v g++ >/dev/null 2>&1 || missing+=(g++)
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ "$(id -u)" -ne 0 ]; then
         say "missing system packages: ${missing[*]} (install them as root); continuing"
@@ -80,6 +86,9 @@ main() {
     fi
     say "ascendserve from $HERE"
     "$VENV/bin/pip" install -q -e "$HERE[test]"
+    say "native ops (native/build.sh)"
+    PYTHON="$VENV/bin/python" bash "$HERE/native/build.sh" >&2 \
+        || say "native ops not built: block copies use the numpy/torch fallback"
     say "done: $VENV/bin/ascendserve"
 
     if [ "${1:-}" = "--serve" ]; then
