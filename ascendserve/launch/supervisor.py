@@ -2,7 +2,8 @@
 
 Each child gets its own process group, so stopping it reaches whatever it
 spawned (vLLM's engine core and workers) even if the child itself was
-SIGKILLed. A crashed child is restarted after an exponential backoff
+SIGKILLed; and each child gets SIGTERM if the supervisor itself dies.
+A crashed child is restarted after an exponential backoff
 (1 s, 2 s, 4 s ... up to `backoff_max_s`), reset once it has stayed up for
 a minute.
 """
@@ -22,6 +23,20 @@ from ascendserve.launch.children import kill_group
 log = structlog.get_logger("ascendserve.supervisor")
 STABLE_AFTER_S = 60.0
 GROUP_GRACE_S = 5.0
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies, even by SIGKILL.
+
+    Children run in sessions of their own (so stopping one reaches everything
+    it spawned), which also means nothing else takes them down with a killed
+    supervisor: without this they would serve on as orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the supervisor's own stop path still applies
+        pass
 
 
 @dataclass
@@ -44,7 +59,8 @@ class Supervisor:
         self.stopping = threading.Event()
 
     def _start(self, child: Child) -> None:
-        child.popen = subprocess.Popen(child.argv, env={**self.base_env, **child.env}, start_new_session=True)
+        child.popen = subprocess.Popen(child.argv, env={**self.base_env, **child.env}, start_new_session=True,
+                                       preexec_fn=_die_with_parent)
         child.started_at = time.monotonic()
         log.info("started", child=child.name, pid=child.popen.pid)
 
