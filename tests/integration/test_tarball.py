@@ -1,0 +1,156 @@
+"""The release tarball: unpacked anywhere, it runs with nothing of this machine's Python.
+
+The session fixture tests $ASCENDSERVE_RELEASE_TARBALL when set, else dist/'s
+tarball when it was built from this very commit with a clean tree (CI may
+build it first), else runs ./build.sh into a temp dir (~6 min on 2 cores). Every run has a clean environment (env -i
+style): no virtualenv on PATH, no PYTHONPATH, a fresh HOME, another cwd.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from ascendserve import __version__
+from ascendserve.launch.children import kill_group
+from tests.procs import REPO, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+BUILD_TIMEOUT_S = 1800
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
+
+
+def _unpack(tarball: Path, into: Path) -> Path:
+    into.mkdir()
+    subprocess.run(["tar", "-xzf", str(tarball), "-C", str(into)], check=True)
+    (tree,) = into.iterdir()
+    return tree
+
+
+def _built_here(tree: Path) -> bool:
+    info = dict(line.split("=", 1) for line in (tree / "BUILD_INFO").read_text().splitlines())
+    return info["commit"] == _git("rev-parse", "HEAD") and info["dirty"] == "no" and not _git("status", "--porcelain")
+
+
+@pytest.fixture(scope="session")
+def release(tmp_path_factory) -> Path:
+    """The unpacked release tree."""
+    given = os.environ.get("ASCENDSERVE_RELEASE_TARBALL")
+    if given:
+        return _unpack(Path(given), tmp_path_factory.mktemp("given-release") / "unpacked")
+    pattern = f"ascendserve-{__version__}-*-{platform.machine()}.tar.gz"
+    for tarball in sorted((REPO / "dist").glob(pattern)):
+        tree = _unpack(tarball, tmp_path_factory.mktemp("dist-release") / "unpacked")
+        if _built_here(tree):
+            return tree
+    out = tmp_path_factory.mktemp("build")
+    # native/ is built whenever the checkout has it; a failed native build fails this test
+    flags = [] if (REPO / "native" / "build.sh").is_file() else ["--allow-no-native"]
+    subprocess.run([str(REPO / "build.sh"), "--out", str(out), *flags], check=True, timeout=BUILD_TIMEOUT_S)
+    (tarball,) = out.glob(pattern)
+    return _unpack(tarball, tmp_path_factory.mktemp("release") / "unpacked")
+
+
+@pytest.fixture
+def clean_env(tmp_path) -> dict:
+    (tmp_path / "home").mkdir()
+    (tmp_path / "cwd").mkdir()
+    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _run(release: Path, env: dict, cwd: Path, *args: str, timeout: float = 60) -> tuple[str, float]:
+    start = time.monotonic()
+    done = subprocess.run([str(release / "bin" / "ascendserve"), *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout, time.monotonic() - start
+
+
+def test_checksums_verify(release):
+    done = subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=release, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (release / "conf" / "all.toml").is_file() and (release / "README.md").is_file()
+
+
+def test_version_and_help_start_fast(release, clean_env, tmp_path):
+    out, version_s = _run(release, clean_env, tmp_path / "cwd", "version")
+    assert out.strip() == f"ascendserve {__version__}"
+    out, help_s = _run(release, clean_env, tmp_path / "cwd", "--role", "proxy", "--help")
+    assert "--port" in out
+    assert version_s < 5 and help_s < 5, (version_s, help_s)  # neither imports torch or vLLM
+
+
+def test_bundle_loads_our_plugins(release, clean_env, tmp_path):
+    """vLLM finds our plugin, torch our torchvision hook, through ascendserve's dist-info:
+    without it both are silently skipped. Also exercises the entry's `-c`."""
+    code = ("from importlib.metadata import entry_points; "
+            "print([p.value for p in entry_points(group='torch.backends')]); "
+            "from vllm.plugins import load_plugins_by_group; "
+            "register = load_plugins_by_group('vllm.general_plugins')['ascendserve']; register(); "
+            "print(register.__module__)")
+    out, _ = _run(release, clean_env, tmp_path / "cwd", "-c", code, timeout=120)
+    assert "ascendserve.engine.torchvision_compat:autoload" in out
+    assert "ascendserve.engine.plugin" in out
+
+
+def _group_alive(pgid: int) -> list[psutil.Process]:
+    alive = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return alive
+
+
+def test_all_mono_serves_from_the_bundle_and_stops_clean(release, clean_env, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "all.log", "w")
+    start = time.monotonic()
+    proc = subprocess.Popen([str(release / "bin" / "ascendserve"), "--role", "all", "--topology", "mono",
+                             "--port", str(port), "--runtime-dir", str(run_dir), "--log-format", "json"],
+                            env=clean_env, cwd=tmp_path / "cwd", stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, (tmp_path / "all.log").read_text()[-4000:]
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 400, "the bundle's cluster never became healthy")
+        ready_s = time.monotonic() - start
+        body = {"model": str(run_dir / "demo-model-text"), "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["text"]
+
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        assert len(everything) >= 4  # metaserver, engine (+ vLLM's engine core), proxy
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everything), 30,
+                 "children outlived --role all")
+        wait_for(lambda: not _group_alive(proc.pid), 30, "processes left in the process group")
+        print(f"bundle: --role all mono healthy after {ready_s:.1f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_group(proc.pid)
+        log.close()
