@@ -31,6 +31,7 @@ ROLE_MODULES = {
     "pd": "roles.pd",
     "metaserver": "roles.metaserver",
     "proxy": "roles.proxy",
+    "elastic-server": "roles.elastic_server",
     "all": "roles.all",
 }
 

@@ -87,6 +87,18 @@ class ECConfig(_Section):
     recv_buffer_tokens: Annotated[int, Meta(ge=2048)] | None = None
 
 
+class NetLoaderConfig(_Section):
+    # Engine roles: serve this instance's weights to joiners (a seed inside the process).
+    serve: bool = False
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # seed port; 0 = server.port + 2000
+    # Load weights from seeds instead of storage: "host:port" entries (TP rank r tries
+    # entry r mod n first), or ["auto"]: the seeds of this model the metaserver knows.
+    sources: list[str] = []
+    fallback: Literal["disk", "fail"] = "disk"  # when no seed delivers: load from disk, or stop
+    timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0  # connect / silence deadline per seed
+    max_clients: Annotated[int, Meta(ge=1, le=1024)] = 16  # transfers a seed runs at once
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -163,6 +175,7 @@ class Config(_Section):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     kv: KVConfig = msgspec.field(default_factory=KVConfig)
     ec: ECConfig = msgspec.field(default_factory=ECConfig)
+    netloader: NetLoaderConfig = msgspec.field(default_factory=NetLoaderConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
@@ -351,6 +364,27 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
                                   "set kv.port (--kv-port)")
         if not config.ec.path:
             config.ec.path = str(Path(config.runtime_dir) / "ec")
+        if config.netloader.sources and config.role == "encoder":
+            raise ConfigError("netloader.sources: the encoder role loads its weights from disk "
+                              "(it loads only the vision part of a checkpoint)")
+    if config.is_engine or config.role == "elastic-server":
+        if (config.netloader.serve or config.role == "elastic-server") and not config.cluster.token:
+            raise ConfigError("a NetLoader seed (netloader.serve, or the elastic-server role) streams the model's "
+                              "weights to whoever asks: set cluster.token (--cluster-token / "
+                              "ASCENDSERVE_CLUSTER_TOKEN) so only the cluster can")
+        if config.netloader.sources not in ([], ["auto"]):
+            for source in config.netloader.sources:
+                instance_url("netloader.sources", source)  # host:port, checked now rather than at load time
+        if config.netloader.sources == ["auto"] and not config.cluster.metaserver_url:
+            raise ConfigError("netloader.sources = ['auto'] finds seeds through the metaserver: "
+                              "set cluster.metaserver_url (--metaserver-url)")
+        if not config.netloader.port:
+            config.netloader.port = config.server.port + 2000
+            if config.netloader.port > 65535:
+                raise ConfigError(f"netloader.port defaults to server.port + 2000 = {config.netloader.port}, "
+                                  "above 65535; set netloader.port (--netloader-port)")
+    if config.role == "elastic-server":
+        _check_model(config.model.path)
     if config.role == "all" and config.model.path:
         _check_model(config.model.path)
     if not config.cluster.advertise_host:

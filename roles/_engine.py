@@ -7,6 +7,7 @@ from ascendserve.discovery.heartbeat import Heartbeat
 from ascendserve.engine.vllm_server import serve
 from ascendserve.launch.children import reap_children
 from ascendserve.logging import get_logger
+from ascendserve.netloader.checkpoint import seed_registration
 
 
 def run_engine(config: Config) -> int:
@@ -16,7 +17,7 @@ def run_engine(config: Config) -> int:
         heartbeat = Heartbeat(config.cluster.metaserver_url, config.cluster.token, config.instance_id,
                               config.role, config.advertise_url, config.local_url,
                               config.model.served_name or config.model.path,
-                              config.metaserver.heartbeat_interval_s).start()
+                              config.metaserver.heartbeat_interval_s, seed_registration(config)).start()
     try:
         return serve(config)
     finally:

@@ -26,7 +26,8 @@ _GAUGE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-
 
 class Heartbeat:
     def __init__(self, metaserver_url: str, token: str, instance_id: str, role: str, advertise_url: str,
-                 local_url: str, model: str, interval_s: float):
+                 local_url: str, model: str, interval_s: float, extra: dict | None = None,
+                 ready_path: str = "/v1/models"):
         self.base = metaserver_url.rstrip("/") + "/v1/registry"
         self.headers = {"content-type": "application/json"}
         if token:
@@ -34,6 +35,8 @@ class Heartbeat:
         self.instance_id, self.role, self.url, self.model = instance_id, role, advertise_url, model
         self.local_url = local_url.rstrip("/")
         self.interval_s = interval_s
+        self.extra = extra or {}  # more registration fields (a NetLoader seed's address)
+        self.ready_path = ready_path
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ascendserve-heartbeat", daemon=True)
         self.registered = False
@@ -60,7 +63,7 @@ class Heartbeat:
                 if not self.registered:
                     self._post("register", {"instance_id": self.instance_id, "role": self.role, "url": self.url,
                                             "model": self.model, "version": __version__,
-                                            "load": self._load()})
+                                            "load": self._load(), **self.extra})
                     self.registered = True
                     log.info("registered with the metaserver", metaserver=self.base, url=self.url)
                 else:
@@ -85,7 +88,7 @@ class Heartbeat:
 
     def _local_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(self.local_url + "/v1/models", timeout=2) as r:
+            with urllib.request.urlopen(self.local_url + self.ready_path, timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False

@@ -1,9 +1,9 @@
 """vLLM general-plugin entry point, loaded by vLLM in every one of its processes.
 
 vLLM calls ``register()`` from the API server, each engine core and each
-worker (``vllm.plugins.load_general_plugins``). Later issues hang the
-ascendserve model loader and connectors here; today it only makes sure the
-process can import the multimodal stack.
+worker (``vllm.plugins.load_general_plugins``). It registers the NetLoader
+model loader (`--load-format netloader`) and makes sure the process can
+import the multimodal stack.
 """
 
 from __future__ import annotations
@@ -14,5 +14,8 @@ from ascendserve.logging import route_structlog_to_stdlib
 
 def register() -> None:
     ensure_torchvision_importable()
+    from ascendserve.netloader.loader import register as register_netloader
+
+    register_netloader()  # --load-format netloader
     # Our log lines and Python warnings use the renderer vLLM's dictConfig set up.
     route_structlog_to_stdlib()

@@ -111,6 +111,10 @@ def role_args(config: Config) -> list[str]:
         args += ["--kv-transfer-config", _json(kv_transfer_config(config, "kv_producer"))]
     if role == "decode":
         args += ["--kv-transfer-config", _json(kv_transfer_config(config, "kv_consumer"))]
+    if config.netloader.sources:
+        settings = {"sources": config.netloader.sources, "fallback": config.netloader.fallback,
+                    "timeout_s": config.netloader.timeout_s, "metaserver_url": config.cluster.metaserver_url}
+        args += ["--load-format", "netloader", "--model-loader-extra-config", _json({"netloader": settings})]
     if role in ("prefill", "pd") and config.ec.enabled:
         # Cross-process EC reuse needs the in-process processor cache off,
         # or vLLM skips sending the item the encoder already produced.
@@ -206,11 +210,57 @@ def serve(config: Config) -> int:
     os.environ.update(env)
     log.info("starting vLLM", vllm_args=redact_args(argv))
     held = _hold_ec_region(config)
+    seed = SeedThread(config).start() if config.netloader.serve else None
     try:
         return _run(argv)
     finally:
+        if seed is not None:
+            seed.stop()
         Path(env["VLLM_LOGGING_CONFIG_PATH"]).unlink(missing_ok=True)
         _release_ec_regions(held)
+
+
+class SeedThread:
+    """This instance's weights served to joiners from its own process (netloader.serve).
+
+    Indexing reads every weight once (checksums); it runs beside vLLM's own
+    start-up, which reads the same files, so the page cache serves both."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.seed = None
+        self._stopping = False
+        import threading
+
+        self._thread = threading.Thread(target=self._run, name="netloader-seed-start", daemon=True)
+
+    def start(self) -> "SeedThread":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from ascendserve.netloader.checkpoint import CheckpointError, CheckpointIndex, MappedSource
+        from ascendserve.netloader.seed import Seed
+
+        log = get_logger("ascendserve.netloader")
+        c = self.config
+        try:
+            source = MappedSource(CheckpointIndex.scan(c.model.path))
+            seed = Seed(source, c.cluster.token, c.server.host, c.netloader.port, c.netloader.max_clients,
+                        idle_s=c.netloader.timeout_s)
+        except (CheckpointError, OSError) as exc:
+            log.error("netloader: cannot serve this instance's weights", error=str(exc))
+            return
+        if self._stopping:
+            seed.stop()
+            return
+        self.seed = seed.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._thread.join(30)
+        if self.seed is not None:
+            self.seed.stop()
 
 
 def _wait_for_children(timeout_s: float) -> None:

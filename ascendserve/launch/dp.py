@@ -28,10 +28,10 @@ import sys
 from pathlib import Path
 
 from ascendserve.config import environ
+from ascendserve.flags import ENGINE_ROLES
 from ascendserve.launch.supervisor import Child, Supervisor
 from ascendserve.logging import configure, get_logger
 
-ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 

@@ -56,5 +56,6 @@ class Registry:
         return RegistryView(
             revision=self.revision, heartbeat_timeout_s=self.timeout,
             instances=[InstanceView(instance_id=i, role=e.reg.role, url=e.reg.url, model=e.reg.model,
-                                    version=e.reg.version, load=e.reg.load, age_s=round(now - e.registered_at, 3))
+                                    version=e.reg.version, load=e.reg.load, age_s=round(now - e.registered_at, 3),
+                                    seed=e.reg.seed, seed_model=e.reg.seed_model)
                        for i, e in sorted(self._entries.items()) if role is None or e.reg.role == role])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 
 ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
+# Roles that may register: the engines, and NetLoader seeds without an engine.
+REGISTERED_ROLES = (*ENGINE_ROLES, "elastic-server")
 
 
 class Load(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -21,10 +23,14 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     version: str = ""
     load: Load = msgspec.field(default_factory=Load)
+    # NetLoader: host:port of the weights this instance serves, and the model's identity
+    # (sha256 of its canonical config.json); empty when it serves none
+    seed: str = ""
+    seed_model: str = ""
 
     def check(self) -> str | None:
-        if self.role not in ENGINE_ROLES:
-            return f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}"
+        if self.role not in REGISTERED_ROLES:
+            return f"role must be one of {', '.join(REGISTERED_ROLES)}, got {self.role!r}"
         if not self.url.startswith(("http://", "https://")):
             return f"url must be http(s)://host:port, got {self.url!r}"
         if not self.instance_id or len(self.instance_id) > 256:
@@ -51,6 +57,8 @@ class InstanceView(msgspec.Struct, kw_only=True):
     version: str
     load: Load
     age_s: float
+    seed: str = ""
+    seed_model: str = ""
 
 
 class RegistryView(msgspec.Struct, kw_only=True):

@@ -33,12 +33,14 @@ def test_per_role_help_shows_only_that_roles_flags():
     assert "ASCENDSERVE_PORT" in proxy.stdout
 
 
-@pytest.mark.parametrize("role", ["elastic-server"])
-def test_unbuilt_roles_exit_2_without_traceback(role):
-    r = run("--role", role)
-    assert r.returncode == 2
-    assert f"role '{role}' is not available in this build" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_a_seed_without_cluster_token_or_model_exits_2_without_traceback(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    no_token = run("--role", "elastic-server", "--model", str(tmp_path))
+    assert no_token.returncode == 2 and "set cluster.token" in no_token.stderr
+    no_model = run("--role", "elastic-server", "--cluster-token", "t")
+    assert no_model.returncode == 2 and "model" in no_model.stderr
+    for r in (no_token, no_model):
+        assert "Traceback" not in r.stderr
 
 
 def test_control_plane_help_imports_no_torch_or_vllm():

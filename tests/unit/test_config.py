@@ -166,8 +166,25 @@ def test_shipped_configs_are_valid(model_dir):
     files = sorted(conf.glob("*.toml"))
     assert {f.stem for f in files} >= {"encoder", "prefill", "decode", "pd", "proxy", "metaserver", "elastic-server", "all"}
     for f in files:
-        c = load(None, str(f), {"model__path": str(model_dir)}, env={})
+        # the files ship no secret; a NetLoader seed (elastic-server) refuses to start without one
+        c = load(None, str(f), {"model__path": str(model_dir)}, env={"ASCENDSERVE_CLUSTER_TOKEN": "t"})
         assert c.role == f.stem, f
+
+
+def test_netloader_settings(model_dir):
+    c = load("decode", None, {"model__path": str(model_dir), "server__port": "9000",
+                              "netloader__sources": ["10.0.0.1:9600", "10.0.0.2:9600"]}, env={})
+    assert c.netloader.port == 11000 and c.netloader.fallback == "disk" and not c.netloader.serve
+    with pytest.raises(ConfigError, match="set cluster.token"):
+        load("pd", None, {"model__path": str(model_dir), "netloader__serve": True}, env={})
+    with pytest.raises(ConfigError, match="needs|metaserver"):
+        load("pd", None, {"model__path": str(model_dir), "netloader__sources": ["auto"]}, env={})
+    with pytest.raises(ConfigError, match="netloader.sources"):
+        load("pd", None, {"model__path": str(model_dir), "netloader__sources": ["nohost"]}, env={})
+    with pytest.raises(ConfigError, match="encoder role loads its weights from disk"):
+        load("encoder", None, {"model__path": str(model_dir), "netloader__sources": ["h:1"]}, env={})
+    with pytest.raises(ConfigError, match="fallback"):
+        load("pd", None, {"model__path": str(model_dir), "netloader__fallback": "maybe"}, env={})
 
 
 def test_vllm_ascend_proxy_flags_expand():

@@ -41,10 +41,13 @@ def test_engine_request_ids():
 
 def test_registry_messages():
     reg = Registration(instance_id="i", role="decode", url="http://h:1", model="m")
-    assert set(msgspec.to_builtins(reg)) == {"instance_id", "role", "url", "model", "version", "load"}
+    assert set(msgspec.to_builtins(reg)) == {"instance_id", "role", "url", "model", "version", "load", "seed",
+                                             "seed_model"}
     assert set(Heartbeat.__struct_fields__) == {"instance_id", "load"}
     assert set(RegistryView.__struct_fields__) == {"revision", "heartbeat_timeout_s", "instances"}
     assert Registration(instance_id="i", role="router", url="http://h:1", model="m").check()
+    assert Registration(instance_id="i", role="elastic-server", url="http://h:1", model="m", seed="h:2",
+                        seed_model="ab").check() is None
 
 
 def test_frames_round_trip_and_reject_garbage():

@@ -1,0 +1,140 @@
+"""vLLM model loader `netloader`: weights from a running peer instead of storage.
+
+Selected with `--load-format netloader` (ascendserve sets it from `[netloader]
+sources`); its settings travel in `--model-loader-extra-config` under the key
+"netloader"; the cluster token comes from the environment, never argv, so
+vLLM's config log does not show it. Runs in every vLLM worker (each TP/PP
+rank fetches on its own; rank r tries source r mod n first, so ranks spread
+over seeds).
+
+It is vLLM's own DefaultModelLoader with another weight iterator: the
+fetched, verified tensors go through the model's `load_weights` (its
+sharding and fusing for this rank) and vLLM's check that every parameter
+was loaded. The transfer completes and verifies before any parameter is
+written; if it fails, or the model rejects what arrived, the weights are
+loaded from disk as usual (fallback = "disk", logged with the reason) or
+start-up stops with the reason (fallback = "fail"). Never half a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.request
+
+import psutil
+import structlog
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from ascendserve.netloader.checkpoint import identity
+from ascendserve.netloader.client import NetLoadError, fetch
+
+log = structlog.get_logger("ascendserve.netloader")
+LOAD_FORMAT = "netloader"
+TOKEN_ENV = "ASCENDSERVE_CLUSTER_TOKEN"  # vllm_server exports it; argv would show it
+EXTRA_KEY = "netloader"
+
+
+def _rank_info() -> dict:
+    from vllm.distributed import parallel_state as ps
+
+    info = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+    try:
+        tp, pp = ps.get_tp_group(), ps.get_pp_group()
+        info.update(tp_rank=tp.rank_in_group, tp_size=tp.world_size, pp_rank=pp.rank_in_group,
+                    pp_size=pp.world_size)
+    except (AssertionError, AttributeError):  # not initialised: a single process
+        pass
+    return info
+
+
+def registry_seeds(metaserver_url: str, token: str, config_sha256: str, timeout_s: float) -> list[str]:
+    """Seeds of this model the metaserver knows: dedicated elastic-servers first."""
+    req = urllib.request.Request(metaserver_url.rstrip("/") + "/v1/registry/instances",
+                                 headers={"authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        view = json.loads(r.read())
+    found = [i for i in view.get("instances", []) if i.get("seed") and i.get("seed_model") == config_sha256]
+    found.sort(key=lambda i: (i.get("role") != "elastic-server", i.get("load", {}).get("running", 0)))
+    return [i["seed"] for i in found]
+
+
+class NetLoader(DefaultModelLoader):
+    def __init__(self, load_config):
+        extra = dict(load_config.model_loader_extra_config or {})
+        self.settings = extra.pop(EXTRA_KEY, {}) or {}
+        super().__init__(dataclasses.replace(load_config, load_format="auto", model_loader_extra_config=extra))
+        self._received = None
+
+    def download_model(self, model_config) -> None:
+        """Nothing to download: the weights come from a seed (or the disk fallback's own files)."""
+
+    def get_all_weights(self, model_config, model):
+        if self._received is None:
+            yield from super().get_all_weights(model_config, model)
+            return
+        self.counter_before_loading_weights = time.perf_counter()
+        yield from self._received
+
+    def load_weights(self, model, model_config) -> None:
+        fallback = self.settings.get("fallback", "disk")
+        why = ""
+        try:
+            self._received = self._fetch(model_config.model)
+        except NetLoadError as exc:
+            why = str(exc)
+        if self._received is not None:
+            try:
+                super().load_weights(model, model_config)
+                return
+            except Exception as exc:  # what arrived does not fit this model: load it all again from disk
+                why = f"the model rejected the received weights: {type(exc).__name__}: {exc}"
+            finally:
+                self._received = None
+        if fallback != "disk":
+            raise RuntimeError(f"netloader: no seed could provide the weights ({why}); "
+                               "the disk fallback is off (netloader.fallback = 'fail')")
+        log.warning("netloader: loading the weights from disk instead", reason=why)
+        super().load_weights(model, model_config)
+
+    def _sources(self, config_sha256: str, token: str) -> list[str]:
+        sources = list(self.settings.get("sources") or [])
+        timeout_s = float(self.settings.get("timeout_s", 30.0))
+        if sources == ["auto"]:
+            url = self.settings.get("metaserver_url", "")
+            if not url:
+                raise NetLoadError("netloader sources = ['auto'] needs a metaserver (cluster.metaserver_url)")
+            try:
+                sources = registry_seeds(url, token, config_sha256, timeout_s)
+            except (OSError, ValueError) as exc:
+                raise NetLoadError(f"metaserver {url} unreachable for seed discovery: {exc}") from None
+            if not sources:
+                raise NetLoadError(f"the metaserver knows no seed of this model (config {config_sha256[:12]})")
+        return sources
+
+    def _fetch(self, model_dir: str):
+        from ascendserve.config import environ
+
+        token = environ().get(TOKEN_ENV, "")
+        own = identity(model_dir)
+        sources = self._sources(own["config_sha256"], token)
+        rank = _rank_info()
+        start = rank["tp_rank"] + rank["pp_rank"] * rank["tp_size"]
+        ordered = sources[start % len(sources):] + sources[:start % len(sources)]
+        # the whole checkpoint is held in host memory while it loads: keep headroom for the rest
+        max_bytes = int(psutil.virtual_memory().available * 0.8)
+        errors = []
+        for address in ordered:
+            try:
+                return fetch(address, token, own, rank, float(self.settings.get("timeout_s", 30.0)), max_bytes)
+            except NetLoadError as exc:
+                log.warning("netloader: seed failed", seed=address, error=str(exc))
+                errors.append(str(exc))
+        raise NetLoadError("; ".join(errors) or "no sources")
+
+
+def register() -> None:
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(NetLoader)

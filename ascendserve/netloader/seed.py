@@ -1,0 +1,120 @@
+"""The NetLoader seed: streams a model's weights to joining instances over TCP.
+
+Conversation (ascendserve.protocol.frames, msgpack headers, raw payloads):
+
+    joiner -> JOIN {token, identity, dtype, tp_rank, tp_size, pp_rank, pp_size}
+    seed   -> JOIN_ACK {identity, manifest: [{name, dtype, shape, nbytes, crc32}], total_bytes}
+            | JOIN_NACK {reason}                      (then closes)
+    joiner -> GET {}
+    seed   -> TENSOR {index, name} + nbytes payload, for every manifest entry, in order
+    seed   -> DONE {}
+
+A connection must present the cluster token in its first frame (compared in
+constant time) within `handshake_s`; anything else is refused and closed and
+the seed keeps serving. Every socket has a deadline (`idle_s` of silence),
+and at most `max_clients` transfers run at once (JOIN_NACK "busy" beyond).
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+
+import structlog
+
+from ascendserve.netloader.checkpoint import CheckpointIndex, MappedSource, MemorySource
+from ascendserve.protocol.frames import FrameError, encode, read_frame, send_frame
+
+log = structlog.get_logger("ascendserve.netloader.seed")
+MAX_JOIN_BYTES = 0  # JOIN/GET carry no payload
+
+
+class Seed:
+    def __init__(self, source: MappedSource | MemorySource, token: str, host: str, port: int,
+                 max_clients: int = 16, handshake_s: float = 10.0, idle_s: float = 60.0):
+        self.source = source
+        self.index: CheckpointIndex = source.index
+        self.token = token.encode()
+        self.max_clients = max_clients
+        self.handshake_s, self.idle_s = handshake_s, idle_s
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="netloader-seed", daemon=True)
+        self.served = 0
+        self.refused = 0
+
+    def start(self) -> "Seed":
+        self._thread.start()
+        log.info("netloader seed serving", port=self.port, tensors=len(self.index.entries),
+                 gib=round(self.index.total_bytes / 2**30, 3), source=type(self.source).__name__)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        self._thread.join(5)
+        self.source.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, peer), name="netloader-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        with conn:
+            try:
+                conn.settimeout(self.handshake_s)
+                join = read_frame(conn, MAX_JOIN_BYTES)
+                reason = self._check_join(join)
+                if reason == "token":
+                    self.refused += 1
+                    log.warning("netloader: refused a connection without a valid cluster token", peer=peer[0])
+                    send_frame(conn, {"type": "JOIN_NACK", "reason": "cluster token missing or wrong"})
+                    return
+                if reason:
+                    send_frame(conn, {"type": "JOIN_NACK", "reason": reason})
+                    return
+                if not self._slots.acquire(blocking=False):
+                    send_frame(conn, {"type": "JOIN_NACK", "reason": f"busy: {self.max_clients} transfers running"})
+                    return
+                try:
+                    self._transfer(conn, join, peer)
+                finally:
+                    self._slots.release()
+            except (FrameError, ConnectionError, TimeoutError, OSError) as exc:
+                log.warning("netloader: connection dropped", peer=peer[0], error=f"{type(exc).__name__}: {exc}")
+
+    def _check_join(self, join: dict) -> str | None:
+        token = join.get("token")
+        if join.get("type") != "JOIN" or not isinstance(token, str) or \
+                not hmac.compare_digest(token.encode(), self.token):
+            return "token"
+        return None
+
+    def _transfer(self, conn: socket.socket, join: dict, peer) -> None:
+        send_frame(conn, {"type": "JOIN_ACK", "identity": self.index.identity, "manifest": self.index.manifest(),
+                          "total_bytes": self.index.total_bytes})
+        conn.settimeout(self.idle_s)
+        get = read_frame(conn, MAX_JOIN_BYTES)
+        if get["type"] != "GET":
+            raise FrameError(f"expected GET, got {get['type']}")
+        log.info("netloader: sending weights", peer=peer[0], tp_rank=join.get("tp_rank"),
+                 gib=round(self.index.total_bytes / 2**30, 3))
+        for i, entry in enumerate(self.index.entries):
+            conn.sendall(encode({"type": "TENSOR", "index": i, "name": entry.name}, entry.nbytes))
+            self.source.send(conn, entry)
+        send_frame(conn, {"type": "DONE"})
+        self.served += 1
