@@ -1,6 +1,9 @@
 """Start-up to ready for each role, next to plain vLLM on the same model.
 
-    python -m bench.startup [--repeat N]
+    python -m bench.startup [--repeat N] [--bundle DIR] [--only SUBSTR ...]
+
+--bundle DIR also times every ascendserve case from an unpacked release
+tree (DIR/bin/ascendserve, ./build.sh's output) next to the venv.
 
 Ready = /v1/models answers 200. Control-plane commands (`--role proxy
 --help`, `version`) are timed as whole processes: they must never import
@@ -18,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench._report import save, table
-from tests.procs import ascendserve, plain_vllm
+from tests.procs import ascendserve, control, plain_vllm
 
 
 def build_models(root: Path) -> dict[str, Path]:
@@ -41,6 +44,21 @@ def time_ready(make) -> float:
         proc.stop()
 
 
+def _frozen(proc, exe: str):
+    """The same process from the release bundle: bin/ascendserve instead of python -m ascendserve."""
+    assert proc.argv[1:3] == ["-m", "ascendserve"], proc.argv
+    proc.argv = [exe, *proc.argv[3:]]
+    proc.name += "-bundle"
+    proc.log_path = proc.log_path.with_name(proc.name + ".log")
+    return proc
+
+
+def _elastic(model: Path, logs: Path):
+    proc = control("elastic-server", logs, "--model", str(model), "--cluster-token", "bench")
+    proc.ready_path = "/health"
+    return proc
+
+
 def time_command(argv: list[str], repeat: int) -> float:
     samples = []
     for _ in range(repeat):
@@ -53,6 +71,8 @@ def time_command(argv: list[str], repeat: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1, help="engine starts per role")
+    ap.add_argument("--bundle", type=Path, help="an unpacked release tree: time its bin/ascendserve too")
+    ap.add_argument("--only", nargs="+", help="cases whose name contains one of these")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -67,7 +87,17 @@ def main() -> None:
             "plain vLLM (vl, peer)": lambda: plain_vllm(models["vl"], logs, name="vllm-vl"),
             "encoder (vl)": lambda: ascendserve("encoder", models["vl"], logs, "--ec-path", str(root / "ec")),
             "pd (vl, EC consumer)": lambda: ascendserve("pd", models["vl"], logs, "--ec-path", str(root / "ec"), "--ec-enabled"),
+            "proxy": lambda: control("proxy", logs),
+            "metaserver": lambda: control("metaserver", logs),
+            "elastic-server (text)": lambda: _elastic(models["text"], logs),
         }
+        if args.bundle:
+            exe = str(args.bundle / "bin" / "ascendserve")
+            for name, make in list(cases.items()):
+                if "plain vLLM" not in name:
+                    cases[f"{name} [bundle]"] = lambda make=make: _frozen(make(), exe)
+        if args.only:
+            cases = {n: m for n, m in cases.items() if "plain vLLM" in n or any(o in n for o in args.only)}
         engine = {name: statistics.median(time_ready(make) for _ in range(args.repeat)) for name, make in cases.items()}
     cli = {
         "ascendserve --role proxy --help": time_command([sys.executable, "-m", "ascendserve", "--role", "proxy", "--help"], 5),
@@ -76,6 +106,10 @@ def main() -> None:
     }
     peer = {"text": engine["plain vLLM (text, peer)"], "vl": engine["plain vLLM (vl, peer)"]}
     rows = [[name, secs, secs / peer["vl" if "vl" in name else "text"]] for name, secs in engine.items()]
+    if args.bundle:
+        exe = str(args.bundle / "bin" / "ascendserve")
+        cli["bin/ascendserve --role proxy --help [bundle]"] = time_command([exe, "--role", "proxy", "--help"], 5)
+        cli["bin/ascendserve version [bundle]"] = time_command([exe, "version"], 5)
     table("start-up to ready (s), ratio to plain vLLM on the same model", ["role", "seconds", "x plain vLLM"], rows)
     floor = cli["python -c pass (floor)"]
     table("control-plane commands (s)", ["command", "seconds", "x interpreter floor"],

@@ -118,13 +118,12 @@ class MappedSource:
         self._files = {path: open(path, "rb") for path in {e.file for e in index.entries}}
 
     def send(self, sock, entry: TensorEntry) -> None:
-        f = self._files[entry.file]
-        sent = 0
-        while sent < entry.nbytes:  # sendfile: kernel copy, no pass through this process
-            n = os.sendfile(sock.fileno(), f.fileno(), entry.offset + sent, entry.nbytes - sent)
-            if n == 0:
-                raise ConnectionError("sendfile wrote nothing (file truncated?)")
-            sent += n
+        # socket.sendfile: the kernel copies from the page cache, and it honours the socket's
+        # timeout (a bare os.sendfile on a socket with a timeout fails with EAGAIN once the
+        # send buffer is full)
+        sent = sock.sendfile(self._files[entry.file], offset=entry.offset, count=entry.nbytes)
+        if sent != entry.nbytes:
+            raise ConnectionError(f"sent {sent} of {entry.nbytes} bytes of {entry.name} (file truncated?)")
 
     def close(self) -> None:
         for f in self._files.values():

@@ -27,6 +27,7 @@ import psutil
 import structlog
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from ascendserve.netloader.base import WeightTransport
 from ascendserve.netloader.checkpoint import identity
 from ascendserve.netloader.client import NetLoadError, fetch
 
@@ -34,6 +35,7 @@ log = structlog.get_logger("ascendserve.netloader")
 LOAD_FORMAT = "netloader"
 TOKEN_ENV = "ASCENDSERVE_CLUSTER_TOKEN"  # vllm_server exports it; argv would show it
 EXTRA_KEY = "netloader"
+TRANSPORTS: dict[str, WeightTransport] = {"tcp": fetch}  # base.py: where HCCL / Mooncake ones would go
 
 
 def _rank_info() -> dict:
@@ -124,10 +126,14 @@ class NetLoader(DefaultModelLoader):
         ordered = sources[start % len(sources):] + sources[:start % len(sources)]
         # the whole checkpoint is held in host memory while it loads: keep headroom for the rest
         max_bytes = int(psutil.virtual_memory().available * 0.8)
+        transport = TRANSPORTS.get(self.settings.get("transport", "tcp"))
+        if transport is None:
+            raise NetLoadError(f"unknown netloader transport {self.settings.get('transport')!r}; have "
+                               f"{', '.join(TRANSPORTS)}")
         errors = []
         for address in ordered:
             try:
-                return fetch(address, token, own, rank, float(self.settings.get("timeout_s", 30.0)), max_bytes)
+                return transport(address, token, own, rank, float(self.settings.get("timeout_s", 30.0)), max_bytes)
             except NetLoadError as exc:
                 log.warning("netloader: seed failed", seed=address, error=str(exc))
                 errors.append(str(exc))

@@ -54,6 +54,22 @@ def test_fetch_equals_the_checkpoint(text_model, index, kind):
     assert seed.served == 1
 
 
+def test_large_tensors_from_the_page_cache(tmp_path):
+    """Tensors far larger than a socket buffer, sent with sendfile under the socket's timeout."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text('{"architectures": ["Big"]}')
+    big = {"a": torch.randn(12 << 20), "b": torch.arange(3 << 20, dtype=torch.int64)}
+    save_file(big, str(tmp_path / "model.safetensors"))
+    seed = _seed(MappedSource(CheckpointIndex.scan(tmp_path)))
+    try:
+        got = dict(_fetch(seed, tmp_path))
+    finally:
+        seed.stop()
+    assert got["a"].equal(big["a"]) and got["b"].equal(big["b"])
+
+
 def test_refuses_wrong_token_no_token_and_garbage_and_keeps_serving(text_model, index):
     seed = _seed(MemorySource(index), handshake_s=1.0)
     try:

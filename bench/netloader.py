@@ -1,0 +1,205 @@
+"""NetLoader: weights over loopback vs a raw socket, joiners at once, and time-to-ready.
+
+    python -m bench.netloader [--layers 18] [--joiners 3] [--skip-ready]
+
+One random-weight Qwen2 checkpoint of about 1.1 GB (fp32, built once under
+bench/results/). Side by side, in one run:
+1. one joiner: the raw loopback socket (one process sends the bytes with
+   sendall, another receives them with recv_into: the floor), NetLoader from
+   an elastic-server (weights in its RAM) and from a seed that serves the
+   files through the page cache (an engine's own seed). GB/s and the ratio to
+   the raw socket.
+2. several joiners at once from one elastic-server: aggregate GB/s.
+3. time to ready (/v1/models answers) of `ascendserve --role pd`: weights by
+   NetLoader from the elastic-server, from disk with the page cache warm,
+   and from disk cold when this host lets us drop the page cache.
+Receivers run in processes of their own (as joiners do), one thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench._report import RESULTS, save, table
+from tests.procs import ENGINE_ARGS, ENGINE_ENV, PYTHON, REPO, Proc, free_port
+
+TOKEN = "bench-token"
+ENV = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}
+
+RAW_SENDER = """
+import socket, sys
+n = int(sys.argv[1]); buf = bytearray(n)
+srv = socket.create_server(("127.0.0.1", 0)); print(srv.getsockname()[1], flush=True)
+while True:
+    c, _ = srv.accept()
+    with c: c.sendall(buf)
+"""
+RAW_RECEIVER = """
+import socket, sys, time
+n, port = int(sys.argv[1]), int(sys.argv[2]); buf = bytearray(n); view = memoryview(buf)
+t = time.perf_counter(); s = socket.create_connection(("127.0.0.1", port)); got = 0
+while got < n:
+    k = s.recv_into(view[got:]); got += k
+    if k == 0: raise SystemExit("short")
+print(time.perf_counter() - t)
+"""
+FETCHER = """
+import sys, time
+from ascendserve.netloader.checkpoint import identity
+from ascendserve.netloader.client import fetch
+model, address, verify = sys.argv[1], sys.argv[2], sys.argv[3:] != ["--no-verify"]
+import torch  # imported before the clock starts, as in a vLLM worker
+t = time.perf_counter(); out = fetch(address, "%s", identity(model), {}, 60.0, verify=verify)
+print(time.perf_counter() - t)
+""" % TOKEN
+MAPPED_SEED = """
+import sys, time
+from ascendserve.netloader.checkpoint import CheckpointIndex, MappedSource
+from ascendserve.netloader.seed import Seed
+s = Seed(MappedSource(CheckpointIndex.scan(sys.argv[1])), "%s", "127.0.0.1", 0).start()
+print(s.port, flush=True); time.sleep(3600)
+""" % TOKEN
+
+
+def build_model(layers: int, hidden: int) -> Path:
+    from ascendserve.models.tiny import TinySpec, build
+
+    path = RESULTS / f"netloader-model-{layers}x{hidden}"
+    if not (path / "config.json").is_file():
+        print(f"building {path} ...", flush=True)
+        build(path, TinySpec(layers=layers, hidden=hidden, heads=hidden // 64, kv_heads=max(1, hidden // 256),
+                             intermediate=4 * hidden))
+    return path
+
+
+def _spawn(code: str, *args: str) -> tuple[subprocess.Popen, int]:
+    p = subprocess.Popen([PYTHON, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=ENV,
+                         start_new_session=True)
+    for line in p.stdout:  # the seed logs a line before it prints its port
+        if line.strip().isdigit():
+            return p, int(line)
+    raise RuntimeError(f"{code[:60]!r} exited before printing its port")
+
+
+def _run(code: str, *args: str) -> float:
+    return float(subprocess.run([PYTHON, "-c", code, *args], capture_output=True, text=True, env=ENV,
+                                check=True).stdout.strip().splitlines()[-1])
+
+
+def _elastic(model: Path, log_dir: Path) -> Proc:
+    port, seed_port = free_port(), free_port()
+    proc = Proc("elastic", [PYTHON, "-m", "ascendserve", "--role", "elastic-server", "--model", str(model),
+                            "--port", str(port), "--netloader-port", str(seed_port), "--cluster-token", TOKEN,
+                            "--log-format", "json"], port, log_dir / "elastic.log", {}, "/health")
+    proc.seed = f"127.0.0.1:{seed_port}"
+    return proc
+
+
+def transfer(model: Path, total: int, elastic: Proc, repeat: int, joiners: int) -> tuple[list, list]:
+    sender, raw_port = _spawn(RAW_SENDER, str(total))
+    mapped, mapped_port = _spawn(MAPPED_SEED, str(model))
+    try:
+        best = {"raw": 1e9, "elastic": 1e9, "mapped": 1e9, "unverified": 1e9}
+        for _ in range(repeat):  # interleaved, best of `repeat`: the floor and ours see the same noise
+            best["raw"] = min(best["raw"], _run(RAW_RECEIVER, str(total), str(raw_port)))
+            best["elastic"] = min(best["elastic"], _run(FETCHER, str(model), elastic.seed))
+            best["mapped"] = min(best["mapped"], _run(FETCHER, str(model), f"127.0.0.1:{mapped_port}"))
+            best["unverified"] = min(best["unverified"], _run(FETCHER, str(model), elastic.seed, "--no-verify"))
+    finally:
+        for p in (sender, mapped):
+            os.killpg(p.pid, 9)
+    gbs = {k: total / v / 1e9 for k, v in best.items()}
+    rows = [["raw loopback socket (floor)", round(best["raw"], 3), gbs["raw"], 1.0],
+            ["netloader, elastic-server (RAM)", round(best["elastic"], 3), gbs["elastic"], gbs["elastic"] / gbs["raw"]],
+            ["netloader, seed from page cache", round(best["mapped"], 3), gbs["mapped"], gbs["mapped"] / gbs["raw"]],
+            ["netloader, elastic-server, CRC checks off (bench only)", round(best["unverified"], 3),
+             gbs["unverified"], gbs["unverified"] / gbs["raw"]]]
+    start = time.perf_counter()
+    procs = [subprocess.Popen([PYTHON, "-c", FETCHER, str(model), elastic.seed], stdout=subprocess.PIPE, text=True,
+                              env=ENV) for _ in range(joiners)]
+    each = [float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    wall = time.perf_counter() - start
+    many = [[joiners, round(wall, 3), joiners * total / 1e9 / max(each), round(max(each), 3),
+             total / 1e9 / (sum(each) / len(each))]]
+    return rows, many
+
+
+def _ready_time(role_args: list[str], model: Path, log_dir: Path, name: str) -> float:
+    port = free_port()
+    proc = Proc(name, [PYTHON, "-m", "ascendserve", "--role", "pd", "--model", str(model), "--port", str(port),
+                       *ENGINE_ARGS, "--cluster-token", TOKEN, *role_args], port, log_dir / f"{name}.log")
+    start = time.perf_counter()
+    proc.start()
+    try:
+        proc.wait_ready(600)
+        return time.perf_counter() - start
+    finally:
+        proc.stop()
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def ready(model: Path, elastic: Proc, log_dir: Path) -> list:
+    joiner_dir = log_dir / "weightless"
+    if not joiner_dir.exists():
+        shutil.copytree(model, joiner_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    rows = []
+    (model / "model.safetensors").read_bytes()  # warm
+    disk = _ready_time([], model, log_dir, "disk-warm")
+    net = _ready_time(["--served-model-name", str(model), "--netloader-source", elastic.seed], joiner_dir, log_dir,
+                      "netloader")
+    rows += [["disk, page cache warm", disk, 1.0], ["netloader (elastic-server)", net, net / disk]]
+    if _drop_caches():
+        cold = _ready_time([], model, log_dir, "disk-cold")
+        rows.append(["disk, page cache dropped", cold, cold / disk])
+    else:
+        rows.append(["disk, page cache dropped", "n/a (not permitted here)", "-"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=18)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--joiners", type=int, default=3)
+    ap.add_argument("--skip-ready", action="store_true", help="no vLLM start-up comparison")
+    args = ap.parse_args()
+    model = build_model(args.layers, args.hidden)
+    total = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    log_dir = RESULTS / "netloader-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    elastic = _elastic(model, log_dir).start()
+    try:
+        elastic.wait_ready(300)
+        one, many = transfer(model, total, elastic, args.repeat, args.joiners)
+        out = {"model_bytes": total}
+        out["one_joiner"] = table(f"one joiner, {total / 1e9:.2f} GB over loopback (best of {args.repeat})",
+                                  ["path", "seconds", "GB/s", "x raw socket"], one)
+        out["joiners"] = table("several joiners at once from one elastic-server",
+                               ["joiners", "wall s", "aggregate GB/s", "slowest s", "mean per-joiner GB/s"], many)
+        if not args.skip_ready:
+            out["ready"] = table("time to ready of ascendserve --role pd (s)", ["weights from", "seconds", "x disk warm"],
+                                 ready(model, elastic, log_dir))
+    finally:
+        elastic.stop()
+    save("netloader", out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
