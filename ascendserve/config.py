@@ -53,6 +53,18 @@ class EngineConfig(_Section):
     max_num_seqs: PositiveInt | None = None
     gpu_memory_utilization: Fraction | None = None
     enforce_eager: bool = False
+    # Data and expert parallelism (MoE models; `ascendserve launch` starts the
+    # ranks). data_parallel_size > 1 with no data_parallel_rank: vLLM's internal
+    # DP, every rank behind this one server. With data_parallel_rank (set per
+    # rank by the launcher): one external rank of the deployment, serving and
+    # registering on its own. Dense models get independent instances instead.
+    data_parallel_size: PositiveInt = 1
+    data_parallel_rank: Annotated[int, Meta(ge=0)] | None = None
+    data_parallel_size_local: PositiveInt | None = None  # launch: ranks on this node (default: all)
+    data_parallel_rank_start: Annotated[int, Meta(ge=0)] = 0  # launch: global rank of this node's first
+    data_parallel_address: str = "127.0.0.1"  # DP master: the node of rank 0
+    data_parallel_rpc_port: Port = 13345
+    enable_expert_parallel: bool = False  # experts sharded over TP x DP ranks instead of TP-split
     vllm: dict[str, PassthroughValue] = {}
     vllm_args: list[str] = []
 
@@ -364,6 +376,7 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
                                   "set kv.port (--kv-port)")
         if not config.ec.path:
             config.ec.path = str(Path(config.runtime_dir) / "ec")
+        _check_parallel(config)
         if config.netloader.sources and config.role == "encoder":
             raise ConfigError("netloader.sources: the encoder role loads its weights from disk "
                               "(it loads only the vision part of a checkpoint)")
@@ -395,6 +408,18 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
     if config.role == "proxy":
         _finish_proxy(config.proxy, config.cluster)
     return config
+
+
+def _check_parallel(config: Config) -> None:
+    e = config.engine
+    if e.data_parallel_rank is not None and e.data_parallel_rank >= e.data_parallel_size:
+        raise ConfigError(f"engine.data_parallel_rank = {e.data_parallel_rank} is outside "
+                          f"data_parallel_size = {e.data_parallel_size} (ranks 0..{e.data_parallel_size - 1})")
+    local = e.data_parallel_size_local or e.data_parallel_size - e.data_parallel_rank_start
+    if e.data_parallel_rank_start + local > e.data_parallel_size:
+        raise ConfigError(f"engine.data_parallel_rank_start = {e.data_parallel_rank_start} with "
+                          f"data_parallel_size_local = {local} does not fit in data_parallel_size = "
+                          f"{e.data_parallel_size}")
 
 
 def _check_callback_url(key: str, url: str) -> None:

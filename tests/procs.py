@@ -41,6 +41,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int, offsets: tuple[int, ...] = ()) -> int:
+    """A port p with p .. p+count-1 (and p+o for each o in offsets) free on 127.0.0.1."""
+    for _ in range(100):
+        port = free_port()
+        wanted = [port + i for i in range(1, count)] + [port + o for o in offsets]
+        if max(wanted, default=port) > 65535:
+            continue
+        try:
+            for p in wanted:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no run of {count} free ports")
+
+
 @dataclass
 class Proc:
     name: str

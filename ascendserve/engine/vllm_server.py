@@ -23,6 +23,12 @@ OWNED = {
     "port": "server.port / --port",
     "served-model-name": "model.served_name / --served-model-name",
     "tensor-parallel-size": "engine.tensor_parallel_size / --tensor-parallel-size",
+    "data-parallel-size": "engine.data_parallel_size / --data-parallel-size",
+    "data-parallel-rank": "engine.data_parallel_rank / --data-parallel-rank",
+    "data-parallel-size-local": "engine.data_parallel_size_local / --data-parallel-size-local",
+    "data-parallel-address": "engine.data_parallel_address / --data-parallel-address",
+    "data-parallel-rpc-port": "engine.data_parallel_rpc_port / --data-parallel-rpc-port",
+    "enable-expert-parallel": "engine.enable_expert_parallel / --enable-expert-parallel",
     "kv-transfer-config": "[kv] (the role picks the KV side)",
     "ec-transfer-config": "[ec] (the role picks the EC side)",
     "mm-encoder-only": "--role encoder",
@@ -177,7 +183,27 @@ def build_argv(config: Config) -> list[str]:
             argv += _option(key, getattr(e, key))
     if e.enforce_eager:
         argv.append("--enforce-eager")
-    return argv + role_args(config) + passthrough_args(config)
+    return argv + parallel_args(config) + role_args(config) + passthrough_args(config)
+
+
+def parallel_args(config: Config) -> list[str]:
+    """Data / expert parallelism: internal DP (no rank) or one external rank."""
+    e = config.engine
+    args = []
+    if (e.data_parallel_size > 1 and e.data_parallel_rank is None and config.role in ("prefill", "decode")
+            and config.kv.connector in ("pull", "push")):
+        raise ConfigError("internal data parallelism (engine.data_parallel_size > 1 without a rank) would put "
+                          "every rank's KV side channel behind one address: start the ranks with "
+                          "`ascendserve launch` (one process, one side channel and one registration per rank)")
+    if e.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(e.data_parallel_size),
+                 "--data-parallel-address", e.data_parallel_address,
+                 "--data-parallel-rpc-port", str(e.data_parallel_rpc_port)]
+        if e.data_parallel_rank is not None:
+            args += ["--data-parallel-rank", str(e.data_parallel_rank)]
+    if e.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
+    return args
 
 
 def prepare_environment(config: Config) -> dict[str, str]:

@@ -3,14 +3,18 @@
     ascendserve launch --role decode --model DIR --dp-size 4 --dp-size-local 2 \\
         --dp-rank-start 2 --dp-address 10.0.0.1 --dp-rpc-port 13345 \\
         --engine-port 8100 --tp-size 1 [any other flag of the role ...]
+    ascendserve launch --role decode --config decode.toml   # the same from [engine]
 
 Starts `dp-size-local` engine processes on this node: local rank i is global
 DP rank `dp-rank-start + i`, serves on `engine-port + i`, and sees devices
 `[i*tp, (i+1)*tp)` (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES, or a
 block of cores through VLLM_CPU_OMP_THREADS_BIND on CPUs). Every flag it does
 not know goes to each rank unchanged (--metaserver-url: each rank registers,
-and the proxy balances over them). Ranks are supervised: one that dies is
-reported and restarted with a backoff.
+and the proxy balances over them; --enable-expert-parallel: experts sharded
+over all TP x DP ranks). Flags left out come from the role's --config
+([engine] data_parallel_size, data_parallel_size_local, data_parallel_rank_start,
+data_parallel_address, data_parallel_rpc_port, tensor_parallel_size). Ranks
+are supervised: one that dies is reported and restarted with a backoff.
 
 vLLM couples DP ranks only for MoE models (their experts are sharded across
 ranks); for dense models it refuses --data-parallel-* with external ranks and
@@ -42,13 +46,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=ENGINE_ROLES, required=True)
     p.add_argument("--model", help="model directory (or model.path in --config)")
     p.add_argument("--config", help="the role's TOML config, passed to every rank")
-    p.add_argument("--dp-size", type=int, required=True, help="data-parallel ranks in the whole deployment")
-    p.add_argument("--dp-size-local", type=int, help="ranks on this node (default: --dp-size)")
-    p.add_argument("--dp-rank-start", type=int, default=0, help="global rank of this node's first rank")
-    p.add_argument("--dp-address", default="127.0.0.1", help="DP master address (rank 0's node; MoE only)")
-    p.add_argument("--dp-rpc-port", type=int, default=13345, help="DP master RPC port (MoE only)")
+    p.add_argument("--dp-size", type=int, help="data-parallel ranks in the whole deployment "
+                   "(default: engine.data_parallel_size of --config)")
+    p.add_argument("--dp-size-local", type=int, help="ranks on this node (default: the rest from --dp-rank-start)")
+    p.add_argument("--dp-rank-start", type=int, help="global rank of this node's first rank (default 0)")
+    p.add_argument("--dp-address", help="DP master address (rank 0's node; MoE only; default 127.0.0.1)")
+    p.add_argument("--dp-rpc-port", type=int, help="DP master RPC port (MoE only; default 13345)")
     p.add_argument("--engine-port", type=int, default=8100, help="HTTP port of local rank 0; rank i: + i")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices per rank")
+    p.add_argument("--tp-size", type=int, help="tensor-parallel devices per rank (default 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
     p.add_argument("--restart-backoff-max", type=float, default=30.0, metavar="S")
     p.add_argument("--log-level", default="info")
@@ -103,7 +108,7 @@ def _cpu_list(ids: list[int]) -> str:
 
 def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, str],
                   device: str, moe: bool) -> list[Child]:
-    local = args.dp_size_local or args.dp_size
+    local = args.dp_size_local
     cores = sorted(os.sched_getaffinity(0))
     children = []
     for i in range(local):
@@ -118,16 +123,19 @@ def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, s
         if args.role in ("prefill", "decode"):  # each TP rank of each DP rank needs its own side channel
             argv += ["--kv-port", str(args.engine_port + 1000 + i * args.tp_size)]
         if moe:
-            argv += [f"--vllm-arg=--data-parallel-size={args.dp_size}", f"--vllm-arg=--data-parallel-rank={rank}",
-                     f"--vllm-arg=--data-parallel-address={args.dp_address}",
-                     f"--vllm-arg=--data-parallel-rpc-port={args.dp_rpc_port}"]
+            argv += ["--data-parallel-size", str(args.dp_size), "--data-parallel-rank", str(rank),
+                     "--data-parallel-address", args.dp_address, "--data-parallel-rpc-port", str(args.dp_rpc_port)]
+        else:  # independent instances, whatever the config file says
+            argv += ["--data-parallel-size", "1"]
         child_env = device_env(device, i, args.tp_size, env, cores, local)
         children.append(Child(f"{args.role}-dp{rank}", [*argv, *passthrough], child_env))
     return children
 
 
 def _check(args) -> str | None:
-    local = args.dp_size_local or args.dp_size
+    if args.dp_size is None:
+        return "--dp-size (or engine.data_parallel_size in --config) is required"
+    local = args.dp_size_local
     if args.dp_size < 1 or local < 1 or args.tp_size < 1:
         return "--dp-size, --dp-size-local and --tp-size must be >= 1"
     if args.dp_rank_start < 0 or args.dp_rank_start + local > args.dp_size:
@@ -138,29 +146,56 @@ def _check(args) -> str | None:
     return None
 
 
-def _model_path(args, env: dict[str, str]) -> str:
+def _role_config(args, env: dict[str, str]):
+    """The role's --config as every rank will read it (None without one)."""
+    if not args.config:
+        return None
+    from ascendserve.config import load
+
+    flags = {"model__path": args.model} if args.model else {}
+    return load(args.role, args.config, flags, env)
+
+
+def resolve(args, config) -> None:
+    """Launcher flags left out: from the config's [engine], then the defaults."""
+    e = config.engine if config is not None else None
+    pick = (lambda flag, key, default: flag if flag is not None else getattr(e, key) if e is not None else default)
+    args.dp_size = pick(args.dp_size, "data_parallel_size", None)
+    args.dp_rank_start = pick(args.dp_rank_start, "data_parallel_rank_start", 0)
+    args.dp_size_local = pick(args.dp_size_local, "data_parallel_size_local", None)
+    args.dp_address = pick(args.dp_address, "data_parallel_address", "127.0.0.1")
+    args.dp_rpc_port = pick(args.dp_rpc_port, "data_parallel_rpc_port", 13345)
+    args.tp_size = pick(args.tp_size, "tensor_parallel_size", 1)
+    if args.dp_size_local is None and args.dp_size is not None:
+        args.dp_size_local = args.dp_size - args.dp_rank_start
+
+
+def _model_path(args, config, env: dict[str, str]) -> str:
     if args.model:
         return args.model
-    if args.config:
-        from ascendserve.config import ConfigError, load
-
-        try:
-            return load(args.role, args.config, {}, env).model.path
-        except ConfigError:
-            return ""
+    if config is not None:
+        return config.model.path
     return env.get("ASCENDSERVE_MODEL", "")
 
 
 def main(argv: list[str]) -> int:
     args, passthrough = parser().parse_known_args(argv)
+    env = environ()
+    from ascendserve.config import ConfigError
+
+    try:
+        config = _role_config(args, env)
+    except ConfigError as exc:
+        print(f"ascendserve launch: error: {exc}", file=sys.stderr)
+        return 2
+    resolve(args, config)
     if error := _check(args):
         print(f"ascendserve launch: error: {error}", file=sys.stderr)
         return 2
-    env = environ()
     configure("launch", f"launch-{args.role}-{args.dp_rank_start}", args.log_level, args.log_format)
     log = get_logger("ascendserve.launch")
     device = detect_device() if args.device == "auto" else args.device
-    model = _model_path(args, env)
+    model = _model_path(args, config, env)
     moe = is_moe(model)
     cli = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "ascendserve"]
     try:

@@ -1,10 +1,11 @@
 """Random-weight tiny checkpoints that vLLM and transformers both load, offline.
 
-`ascendserve model tiny --kind text|vl --out DIR` writes a complete
+`ascendserve model tiny --kind text|vl|moe --out DIR` writes a complete
 HuggingFace-style directory: config, safetensors weights, a byte-level BPE
 tokenizer (every byte is a token, so any text round-trips without a
 downloaded vocabulary), the Qwen chat template and, for `vl`, the image and
-video processors. Weights are drawn from N(0, std) with a seeded generator,
+video processors. `moe` is a Qwen3-MoE (8 experts, top-2) for the expert-
+and data-parallel layouts. Weights are drawn from N(0, std) with a seeded generator,
 so the same seed gives byte-identical weights. std defaults to 0.15: with
 the usual 0.02 a tiny random model emits one repeated token and greedy
 equality tests prove little.
@@ -17,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("text", "vl")
+KINDS = ("text", "vl", "moe")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -63,6 +64,9 @@ class TinySpec:
     vision_depth: int = 2
     vision_hidden: int = 64
     vision_heads: int = 2
+    experts: int = 8  # moe
+    experts_per_token: int = 2
+    moe_intermediate: int = 64
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +75,8 @@ class TinySpec:
     def check(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "moe" and not 0 < self.experts_per_token <= self.experts:
+            raise ValueError("experts_per_token must be in 1..experts")
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError("hidden must divide by heads, heads by kv_heads")
         if self.head_dim < 32:
@@ -81,7 +87,10 @@ class TinySpec:
 
 
 def default_spec(kind: str, seed: int = 0) -> TinySpec:
-    """The specs the tests and demo use: text hidden 256, VL text hidden 128."""
+    """The specs the tests and demo use: text hidden 256, VL text hidden 128,
+    MoE hidden 128 with 8 experts of intermediate 64, top-2."""
+    if kind == "moe":
+        return TinySpec(kind="moe", seed=seed, hidden=128, heads=4, kv_heads=2, intermediate=256)
     if kind == "vl":
         return TinySpec(kind="vl", seed=seed, hidden=128, heads=2, kv_heads=1, intermediate=256)
     return TinySpec(kind=kind, seed=seed)
@@ -145,6 +154,23 @@ def _build_model(spec: TinySpec):
         config = Qwen2Config(**_text_config_kwargs(spec, mrope=False))
         config.architectures = ["Qwen2ForCausalLM"]
         model_cls = Qwen2ForCausalLM
+    elif spec.kind == "moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        kwargs = _text_config_kwargs(spec, mrope=False)
+        kwargs.pop("use_sliding_window")
+        config = Qwen3MoeConfig(
+            **kwargs,
+            head_dim=spec.head_dim,
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        config.architectures = ["Qwen3MoeForCausalLM"]
+        model_cls = Qwen3MoeForCausalLM
     else:
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 

@@ -9,31 +9,18 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.procs import ENGINE_ARGS, PYTHON, Proc, completion_ids, control, free_port, wait_for
+from tests.procs import ENGINE_ARGS, PYTHON, Proc, completion_ids, control, free_port_run, wait_for
 
 pytestmark = pytest.mark.integration
 TOKEN = "launch-test-token"
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello, my name is"]
 _SUCCESS = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
-
-
-def _two_free_ports() -> int:
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _served(url: str) -> float:
@@ -62,7 +49,7 @@ def _rank_process(launcher: psutil.Process, port: int) -> psutil.Process:
 def test_launch_two_ranks_behind_the_proxy_restarts_a_killed_rank(text_model, text_oracle, tmp_path):
     meta = control("metaserver", tmp_path, "--cluster-token", TOKEN)
     proxy = control("proxy", tmp_path, "--metaserver-url", meta.url, "--cluster-token", TOKEN)
-    port = _two_free_ports()
+    port = free_port_run(2, (1000, 1001))
     ranks = [f"http://127.0.0.1:{port + i}" for i in range(2)]
     launcher = Proc("launch", [PYTHON, "-m", "ascendserve", "launch", "--role", "pd", "--model", str(text_model),
                                "--dp-size", "2", "--dp-size-local", "2", "--engine-port", str(port),

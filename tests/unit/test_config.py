@@ -216,3 +216,23 @@ def test_bad_proxy_config(flags, needle):
     with pytest.raises(ConfigError) as info:
         load("proxy", None, flags, env={})
     assert needle in str(info.value)
+
+
+def test_example_deployment_configs_give_the_seed_layout(model_dir):
+    """conf/examples/deepseek-8node: P DP2·TP8·EP16 per node, D DP64·TP1·EP64 over 4 nodes."""
+    from ascendserve.launch.dp import parser, resolve
+
+    example = Path(__file__).resolve().parents[2] / "conf" / "examples" / "deepseek-8node"
+    env = {"ASCENDSERVE_CLUSTER_TOKEN": "t"}
+    layouts = {}
+    for f in sorted(example.glob("*.toml")):
+        c = load(None, str(f), {"model__path": str(model_dir)}, env=env)
+        assert c.role == f.stem
+        if c.is_engine:
+            args, _ = parser().parse_known_args(["--role", c.role])
+            resolve(args, c)
+            layouts[c.role] = (args.dp_size, args.dp_size_local, args.tp_size, c.engine.enable_expert_parallel)
+    assert layouts == {"prefill": (2, 2, 8, True), "decode": (64, 16, 1, True)}
+    third = load("decode", str(example / "decode.toml"), {"model__path": str(model_dir)},
+                 env={**env, "ASCENDSERVE_DATA_PARALLEL_RANK_START": "32"})
+    assert third.engine.data_parallel_rank_start == 32

@@ -6,12 +6,20 @@ import json
 
 import pytest
 
-from ascendserve.launch.dp import device_env, is_moe, parser, rank_children
+from ascendserve.config import load
+from ascendserve.engine.vllm_server import build_argv
+from ascendserve.launch.dp import _check, device_env, is_moe, parser, rank_children, resolve
 
 
-def _plan(tmp_path, *argv, moe=False, device="cpu", env=None):
+def _plan(tmp_path, *argv, moe=False, device="cpu", env=None, config=None):
     args, rest = parser().parse_known_args(["--role", "decode", "--model", str(tmp_path), *argv])
+    resolve(args, config)
+    assert _check(args) is None
     return rank_children(args, rest, ["ascendserve"], env or {}, device, moe)
+
+
+def _value(argv, flag):
+    return argv[argv.index(flag) + 1]
 
 
 def test_ranks_get_consecutive_ports_their_own_kv_ports_and_the_unknown_flags(tmp_path):
@@ -24,15 +32,64 @@ def test_ranks_get_consecutive_ports_their_own_kv_ports_and_the_unknown_flags(tm
         assert argv[argv.index("--kv-port") + 1] == str(10000 + 2 * i)  # TP rank r of it: + r
         assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
         assert argv[-2:] == ["--metaserver-url", "http://m:1"]
-        assert not any("data-parallel" in a for a in argv)  # dense: independent instances
+        assert _value(argv, "--data-parallel-size") == "1"  # dense: independent instances
+        assert "--data-parallel-rank" not in argv
 
 
 def test_moe_ranks_carry_vllm_data_parallel_settings(tmp_path):
     ranks = _plan(tmp_path, "--dp-size", "4", "--dp-size-local", "2", "--dp-rank-start", "2",
                   "--dp-address", "10.0.0.1", "--dp-rpc-port", "5555", moe=True)
-    assert "--vllm-arg=--data-parallel-rank=3" in ranks[1].argv
-    assert {"--vllm-arg=--data-parallel-size=4", "--vllm-arg=--data-parallel-address=10.0.0.1",
-            "--vllm-arg=--data-parallel-rpc-port=5555"} <= set(ranks[0].argv)
+    assert [_value(r.argv, "--data-parallel-rank") for r in ranks] == ["2", "3"]
+    for rank in ranks:
+        assert (_value(rank.argv, "--data-parallel-size"), _value(rank.argv, "--data-parallel-address"),
+                _value(rank.argv, "--data-parallel-rpc-port")) == ("4", "10.0.0.1", "5555")
+
+
+def _tiny_dir(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+    return model
+
+
+def test_launch_takes_the_layout_from_the_role_config(tmp_path):
+    model = _tiny_dir(tmp_path)
+    toml = tmp_path / "decode.toml"
+    toml.write_text(f"""
+[model]
+path = "{model}"
+[engine]
+tensor_parallel_size = 2
+data_parallel_size = 8
+data_parallel_size_local = 2
+data_parallel_rank_start = 4
+data_parallel_address = "10.0.0.9"
+data_parallel_rpc_port = 14000
+enable_expert_parallel = true
+""")
+    config = load("decode", str(toml), {}, {})
+    args, rest = parser().parse_known_args(["--role", "decode", "--config", str(toml), "--dp-rpc-port", "14001"])
+    resolve(args, config)
+    assert (args.dp_size, args.dp_size_local, args.dp_rank_start, args.dp_address, args.dp_rpc_port,
+            args.tp_size) == (8, 2, 4, "10.0.0.9", 14001, 2)  # a flag beats the file
+    ranks = rank_children(args, rest, ["ascendserve"], {}, "cpu", True)
+    assert [_value(r.argv, "--data-parallel-rank") for r in ranks] == ["4", "5"]
+    # what one rank then hands vLLM: its file plus the launcher's per-rank flags
+    rank_config = load("decode", str(toml), {"engine__data_parallel_rank": 5}, {})
+    argv = build_argv(rank_config)
+    assert (_value(argv, "--data-parallel-size"), _value(argv, "--data-parallel-rank"),
+            _value(argv, "--tensor-parallel-size")) == ("8", "5", "2")
+    assert "--enable-expert-parallel" in argv
+
+
+def test_launch_needs_a_dp_size(tmp_path):
+    args, _ = parser().parse_known_args(["--role", "decode", "--model", str(tmp_path)])
+    resolve(args, None)
+    assert "--dp-size" in _check(args)
+    args, _ = parser().parse_known_args(["--role", "decode", "--dp-size", "2", "--dp-rank-start", "1",
+                                         "--dp-size-local", "2"])
+    resolve(args, None)
+    assert "do not fit" in _check(args)
 
 
 def test_device_blocks():
@@ -54,3 +111,24 @@ def test_moe_detection(tmp_path):
     assert is_moe(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"n_routed_experts": 64}}))
     assert is_moe(str(tmp_path))
+
+
+def test_parallel_settings_are_checked_and_reach_vllm(tmp_path):
+    from ascendserve.config import ConfigError
+
+    model = _tiny_dir(tmp_path)
+    internal = build_argv(load("pd", None, {"model__path": str(model), "engine__data_parallel_size": 2,
+                                            "engine__enable_expert_parallel": True}, {}))
+    assert _value(internal, "--data-parallel-size") == "2" and "--data-parallel-rank" not in internal
+    assert "--enable-expert-parallel" in internal
+    plain = build_argv(load("pd", None, {"model__path": str(model)}, {}))
+    assert not any("parallel-size" in a and a != "--tensor-parallel-size" for a in plain)
+    assert "--enable-expert-parallel" not in plain
+    with pytest.raises(ConfigError, match="outside"):
+        load("pd", None, {"model__path": str(model), "engine__data_parallel_size": 2,
+                          "engine__data_parallel_rank": 2}, {})
+    with pytest.raises(ConfigError, match="ascendserve launch"):  # one side channel per rank
+        build_argv(load("decode", None, {"model__path": str(model), "engine__data_parallel_size": 2,
+                                         "kv__connector": "pull"}, {}))
+    with pytest.raises(ConfigError, match="data-parallel-size"):
+        build_argv(load("pd", None, {"model__path": str(model), "engine__vllm_args": ["--data-parallel-size=2"]}, {}))

