@@ -142,47 +142,56 @@ EP_CHECK = textwrap.dedent("""
     from ascendserve.engine.patches import cpu_moe
     if sys.argv[1] == "fixed":
         assert cpu_moe.apply() == ["CPUUnquantizedExperts.apply"]
-    E, H, I, M, K = 8, 64, 64, 24, int(sys.argv[2])
-    g = torch.Generator().manual_seed(1)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * .2, torch.randn(E, H, I, generator=g) * .2
-    x = torch.randn(M, H, generator=g)
-    logits = torch.randn(M, E, generator=g)
-    weights, ids = torch.softmax(logits, -1).topk(K, -1)
-    ids = ids.to(torch.int32)
-    on_input = K == 1
     probe = object.__new__(type("P", (CPUUnquantizedExperts,), {"w1_bias": None, "w2_bias": None, "isa": "vec"}))
     probe._use_zentorch = False
-    def run(experts, expert_map, hidden):
-        out = torch.zeros(M, H)
-        CPUUnquantizedExperts.apply(probe, output=out, hidden_states=hidden,
-            w1=cpu_prepack_moe_weight(w13[experts].contiguous(), "vec"),
-            w2=cpu_prepack_moe_weight(w2[experts].contiguous(), "vec"),
-            topk_weights=weights, topk_ids=ids, activation=MoEActivation.SILU, global_num_experts=E,
-            expert_map=expert_map, a1q_scale=None, a2_scale=None, workspace13=torch.empty(0),
-            workspace2=torch.empty(0), expert_tokens_meta=None, apply_router_weight_on_input=on_input)
-        return out
-    hidden = x * weights if on_input else x  # vLLM folds a top-1 weight into the input
-    dense = run(list(range(E)), None, hidden)
-    parts = []
-    for local in ([0, 1, 2, 3], [4, 5, 6, 7]) if sys.argv[3] == "linear" else ([0, 2, 4, 6], [1, 3, 5, 7]):
-        emap = torch.full((E,), -1, dtype=torch.int32)
-        emap[local] = torch.arange(len(local), dtype=torch.int32)
-        parts.append(run(local, emap, hidden))
-    print("maxdiff", float((parts[0] + parts[1] - dense).abs().max()), float(dense.abs().max()))
+    for case in sys.argv[2:]:
+        K, layout = int(case.split(":")[0]), case.split(":")[1]
+        E, H, I, M = 8, 64, 64, 24
+        g = torch.Generator().manual_seed(1)
+        w13, w2 = torch.randn(E, 2 * I, H, generator=g) * .2, torch.randn(E, H, I, generator=g) * .2
+        x = torch.randn(M, H, generator=g)
+        weights, ids = torch.softmax(torch.randn(M, E, generator=g), -1).topk(K, -1)
+        ids = ids.to(torch.int32)
+        on_input = K == 1
+        def run(experts, expert_map, hidden):
+            out = torch.zeros(M, H)
+            CPUUnquantizedExperts.apply(probe, output=out, hidden_states=hidden,
+                w1=cpu_prepack_moe_weight(w13[experts].contiguous(), "vec"),
+                w2=cpu_prepack_moe_weight(w2[experts].contiguous(), "vec"),
+                topk_weights=weights, topk_ids=ids, activation=MoEActivation.SILU, global_num_experts=E,
+                expert_map=expert_map, a1q_scale=None, a2_scale=None, workspace13=torch.empty(0),
+                workspace2=torch.empty(0), expert_tokens_meta=None, apply_router_weight_on_input=on_input)
+            return out
+        hidden = x * weights if on_input else x  # vLLM folds a top-1 weight into the input
+        dense = run(list(range(E)), None, hidden)
+        parts = []
+        for local in ([0, 1, 2, 3], [4, 5, 6, 7]) if layout == "linear" else ([0, 2, 4, 6], [1, 3, 5, 7]):
+            emap = torch.full((E,), -1, dtype=torch.int32)
+            emap[local] = torch.arange(len(local), dtype=torch.int32)
+            parts.append(run(local, emap, hidden))
+        print("maxdiff", case, float((parts[0] + parts[1] - dense).abs().max()), float(dense.abs().max()), flush=True)
 """)
+CASES = ["2:linear", "2:round_robin", "1:linear"]
 
 
-def _ep_check(mode: str, k: int, layout: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-c", EP_CHECK, mode, str(k), layout], capture_output=True, text=True,
+def _ep_check(mode: str, *cases: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([PY, "-c", EP_CHECK, mode, *cases], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    diffs = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("maxdiff"):
+            _, case, diff, scale = line.split()
+            diffs[case] = (float(diff), float(scale))
+    return proc, diffs
 
 
-@pytest.mark.parametrize("k,layout", [(2, "linear"), (2, "round_robin"), (1, "linear")])
-def test_expert_parallel_ranks_sum_to_the_dense_moe(k, layout):
-    proc = _ep_check("fixed", k, layout)
+def test_expert_parallel_ranks_sum_to_the_dense_moe():
+    """top-2 with linear and round-robin expert placement, and top-1 with the weight on the input."""
+    proc, diffs = _ep_check("fixed", *CASES)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    diff, scale = map(float, proc.stdout.split("maxdiff")[1].split())
-    assert scale > 0.1 and diff < 1e-4 * scale, proc.stdout
+    assert set(diffs) == set(CASES), proc.stdout
+    for case, (diff, scale) in diffs.items():
+        assert scale > 0.1 and diff < 1e-4 * scale, (case, diff, scale)
 
 
 def test_without_the_fix_expert_parallel_does_not_match():
@@ -195,9 +204,9 @@ def test_without_the_fix_expert_parallel_does_not_match():
         pytest.skip("patched in this process")
     if cpu_moe.honours_expert_map(CPUUnquantizedExperts):
         pytest.skip("this vLLM honours expert_map")
-    proc = _ep_check("unfixed", 2, "round_robin")
+    proc, diffs = _ep_check("unfixed", "2:round_robin")
     if proc.returncode == 0:
-        diff, scale = map(float, proc.stdout.split("maxdiff")[1].split())
+        diff, scale = diffs["2:round_robin"]
         assert diff > 1e-3 * scale, proc.stdout
     else:
         assert proc.returncode != 0  # e.g. -11: SIGSEGV in cpu_fused_moe
@@ -246,3 +255,28 @@ def test_moe_fix_is_inert_where_vllm_honours_the_map(restore_experts_apply):
 
     with pytest.raises(TypeError):
         cpu_moe.apply(Upstream, probe=broken)
+
+
+def test_wrapper_maps_ids_for_keyword_and_positional_callers():
+    seen = []
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        seen.append((topk_weights.tolist(), topk_ids.tolist(), expert_map))
+        output.fill_(1.0)
+
+    wrapped = cpu_moe.expert_map_aware(apply)
+    emap = torch.tensor([-1, 0, -1, 1], dtype=torch.int32)
+    weights, ids = torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    rest = dict(activation=None, global_num_experts=4, expert_map=emap, a1q_scale=None, a2_scale=None,
+                workspace13=None, workspace2=None, expert_tokens_meta=None, apply_router_weight_on_input=False)
+    out = torch.zeros(2, 3)
+    wrapped(None, output=out, hidden_states=None, w1=None, w2=None, topk_weights=weights, topk_ids=ids, **rest)
+    wrapped(None, out, None, None, None, weights, ids, *rest.values())
+    assert seen[0] == seen[1] == ([[0.75, 0.0], [0.5, 0.0]], [[0, 0], [1, 0]], None)
+    # top-1 with the weight folded into the input: a row whose only pick is remote is zeroed
+    out = torch.ones(2, 3)
+    wrapped(None, output=out, hidden_states=None, w1=None, w2=None, topk_weights=weights[:, :1],
+            topk_ids=torch.tensor([[2], [3]], dtype=torch.int32), **{**rest, "apply_router_weight_on_input": True})
+    assert out.tolist() == [[0.0] * 3, [1.0] * 3]  # global 2 lives on another rank, global 3 is local slot 1

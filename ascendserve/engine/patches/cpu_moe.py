@@ -42,10 +42,10 @@ def localize(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              expert_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global top-k ids -> local slots; non-local picks: slot 0 with weight 0.
     Returns (weights, ids, is_local)."""
-    slots = expert_map.to(topk_ids.device)[topk_ids.long()]
+    slots = expert_map[topk_ids.long()]
     is_local = slots >= 0
-    ids = torch.where(is_local, slots, torch.zeros_like(slots)).to(topk_ids.dtype)
-    weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
+    ids = slots.clamp_min(0).to(topk_ids.dtype)
+    weights = topk_weights * is_local
     return weights, ids, is_local
 
 
@@ -56,16 +56,19 @@ def expert_map_aware(apply):
 
     @functools.wraps(apply)
     def wrapper(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        a = bound.arguments
-        expert_map = a.get("expert_map")
+        if args:  # vLLM passes keywords; bind positional callers once to name their arguments
+            bound = signature.bind(self, *args, **kwargs)
+            kwargs = dict(bound.arguments)
+            del kwargs[next(iter(signature.parameters))]
+        expert_map = kwargs.get("expert_map")
         if expert_map is None:
-            return apply(*bound.args, **bound.kwargs)
-        a["topk_weights"], a["topk_ids"], is_local = localize(a["topk_weights"], a["topk_ids"], expert_map)
-        a["expert_map"] = None
-        result = apply(*bound.args, **bound.kwargs)
-        if a.get("apply_router_weight_on_input"):
-            a["output"][~is_local.all(dim=1)] = 0
+            return apply(self, **kwargs)
+        kwargs["topk_weights"], kwargs["topk_ids"], is_local = localize(
+            kwargs["topk_weights"], kwargs["topk_ids"], expert_map)
+        kwargs["expert_map"] = None
+        result = apply(self, **kwargs)
+        if kwargs.get("apply_router_weight_on_input"):
+            kwargs["output"][~is_local.all(dim=1)] = 0
         return result
 
     setattr(wrapper, PATCHED, True)
