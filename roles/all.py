@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import secrets
 import signal
-import sys
 import threading
 import urllib.request
 from pathlib import Path
 
 from ascendserve.config import Config, environ
-from ascendserve.launch.supervisor import Child, Supervisor
+from ascendserve.launch.supervisor import Child, Supervisor, self_command
 from ascendserve.logging import get_logger
 
 TOPOLOGIES = {  # engine roles, in start order, and the extra flags each needs
@@ -27,10 +26,6 @@ TOPOLOGIES = {  # engine roles, in start order, and the extra flags each needs
 # What the demo model needs on a CPU (vLLM's CPU attention, no bf16 everywhere).
 DEMO_ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
                      "--gpu-memory-utilization", "0.08"]
-
-
-def _cli() -> list[str]:
-    return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "ascendserve"]
 
 
 def _demo_model(config: Config, topology: str) -> str:
@@ -45,7 +40,7 @@ def _demo_model(config: Config, topology: str) -> str:
 
 
 def _children(config: Config, model: str, extra: list[str], token_env: dict) -> list[Child]:
-    base, cli, run_dir = config.server.port, _cli(), Path(config.runtime_dir)
+    base, cli, run_dir = config.server.port, self_command(), Path(config.runtime_dir)
     common = ["--log-level", config.log.level, "--log-format", config.log.format, "--runtime-dir", config.runtime_dir]
     if config.config_file:
         common += ["--config", config.config_file]

@@ -24,7 +24,6 @@ asks for independent instances, which is what the ranks then are.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import signal
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from ascendserve.config import environ
 from ascendserve.flags import ENGINE_ROLES
-from ascendserve.launch.supervisor import Child, Supervisor
+from ascendserve.launch.supervisor import Child, Supervisor, device_nodes, self_command
 from ascendserve.logging import configure, get_logger
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -62,11 +61,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def detect_device() -> str:
-    if glob.glob("/dev/davinci[0-9]*"):
-        return "npu"
-    if glob.glob("/dev/nvidia[0-9]*"):
-        return "cuda"
-    return "cpu"
+    nodes = device_nodes()
+    return "npu" if nodes["davinci"] else "cuda" if nodes["nvidia"] else "cpu"
 
 
 def is_moe(model_dir: str) -> bool:
@@ -84,11 +80,11 @@ def device_env(device: str, local_rank: int, tp: int, env: dict[str, str], cores
     block = range(local_rank * tp, (local_rank + 1) * tp)
     if device in VISIBLE:
         visible = env.get(VISIBLE[device], "")
-        ids = visible.split(",") if visible else [str(i) for i in block]
-        if visible and len(ids) < block.stop:
+        ids = visible.split(",") if visible else [str(i) for i in range(block.stop)]
+        if len(ids) < block.stop:
             raise ValueError(f"local rank {local_rank} needs devices {block.start}..{block.stop - 1} of "
                              f"{VISIBLE[device]}={visible}")
-        return {VISIBLE[device]: ",".join(ids[i] for i in block) if visible else ",".join(ids)}
+        return {VISIBLE[device]: ",".join(ids[i] for i in block)}
     # CPU: each TP rank of each local DP rank gets its own block of this process's cores
     # (more ranks than cores: blocks of one core, shared round-robin), in vLLM's syntax "0-3|4-7"
     per = max(1, len(cores) // (ranks * tp))
@@ -197,7 +193,7 @@ def main(argv: list[str]) -> int:
     device = detect_device() if args.device == "auto" else args.device
     model = _model_path(args, config, env)
     moe = is_moe(model)
-    cli = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "ascendserve"]
+    cli = self_command()
     try:
         children = rank_children(args, passthrough, cli, env, device, moe)
     except ValueError as exc:

@@ -10,8 +10,10 @@ a minute.
 
 from __future__ import annotations
 
+import glob
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,16 @@ from ascendserve.launch.children import kill_group
 log = structlog.get_logger("ascendserve.supervisor")
 STABLE_AFTER_S = 60.0
 GROUP_GRACE_S = 5.0
+
+
+def self_command() -> list[str]:
+    """The command that runs this program again: the frozen bundle's binary, or `python -m ascendserve`."""
+    return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "ascendserve"]
+
+
+def device_nodes() -> dict[str, int]:
+    """Accelerator device files on this host (drivers present, whatever torch sees)."""
+    return {"davinci": len(glob.glob("/dev/davinci[0-9]*")), "nvidia": len(glob.glob("/dev/nvidia[0-9]*"))}
 
 
 def _die_with_parent() -> None:
