@@ -18,7 +18,7 @@ import importlib
 import sys
 
 from ascendserve import __version__
-from ascendserve.config import ConfigError, load, redacted
+from ascendserve.config import ConfigError, load, redacted, secrets, security_warnings
 from ascendserve.flags import ROLES, flags_for
 
 EXIT_USAGE = 2
@@ -116,8 +116,10 @@ def _run_role(argv: list[str]) -> int:
         )
     from ascendserve.logging import configure, get_logger
 
-    configure(config.role, config.instance_id, config.log.level, config.log.format)
+    configure(config.role, config.instance_id, config.log.level, config.log.format, secrets(config))
     get_logger().info("effective config", config=redacted(config), version=__version__)
+    for warning in security_warnings(config):
+        get_logger().warning(warning)
     role = importlib.import_module(ROLE_MODULES[config.role])
     try:
         return role.run(config)

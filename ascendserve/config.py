@@ -39,6 +39,16 @@ class _Section(Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=F
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Port = 8000
+    # HTTPS for the proxy and the metaserver: PEM certificate chain and unencrypted key.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # Limits of our HTTP servers (proxy, metaserver, elastic-server). Connections
+    # beyond max_connections wait in the listen backlog; a request head larger than
+    # max_header_kb gets 431; a connection that sends no complete head within
+    # header_timeout_s (also: idle keep-alive) is closed. Bodies: proxy.max_body_mb.
+    max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 8192
+    max_header_kb: Annotated[int, Meta(ge=8, le=4096)] = 64
+    header_timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 30.0
 
 
 class ModelConfig(_Section):
@@ -117,7 +127,12 @@ class LogConfig(_Section):
 
 
 class ClusterConfig(_Section):
+    # Shared secret of every internal route and port (admin, registry, metaserver,
+    # KV side channel, NetLoader). Without it those accept anyone, so a role that
+    # serves them on a non-loopback address refuses to start unless allow_unauthenticated.
     token: str = ""
+    allow_unauthenticated: bool = False
+    tls_ca: str = ""  # PEM bundle trusted (besides the system's CAs) for https URLs inside the cluster
     metaserver_url: str = ""
     # Address peers use to reach this instance; default: server.host, or this
     # host's name when bound to a wildcard address.
@@ -199,9 +214,14 @@ class Config(_Section):
         return self.role in ENGINE_ROLES
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.server.tls_cert else "http"
+
+    @property
     def advertise_url(self) -> str:
         host = self.cluster.advertise_host
-        return f"http://[{host}]:{self.server.port}" if ":" in host else f"http://{host}:{self.server.port}"
+        return f"{self.scheme}://[{host}]:{self.server.port}" if ":" in host else \
+            f"{self.scheme}://{host}:{self.server.port}"
 
     @property
     def local_url(self) -> str:
@@ -209,7 +229,13 @@ class Config(_Section):
         host = self.server.host
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        return f"http://[{host}]:{self.server.port}" if ":" in host else f"http://{host}:{self.server.port}"
+        return f"{self.scheme}://[{host}]:{self.server.port}" if ":" in host else \
+            f"{self.scheme}://{host}:{self.server.port}"
+
+
+def secrets(config: Config) -> list[str]:
+    """This process's secret values (masked in every log line, never echoed)."""
+    return [v for v in (config.cluster.token, config.proxy.backend_api_key, *config.proxy.api_keys) if v]
 
 
 _SECRET_KEY = re.compile(r"(token|secret|password|api[-_]?key)", re.IGNORECASE)
@@ -407,7 +433,76 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
         _check_callback_url("cluster.metaserver_url", config.cluster.metaserver_url)
     if config.role == "proxy":
         _finish_proxy(config.proxy, config.cluster)
+    _check_security(config)
     return config
+
+
+TLS_ROLES = ("proxy", "metaserver")
+
+
+def internal_listeners(config: Config) -> list[str]:
+    """What this role serves that only the cluster may use (guarded by cluster.token)."""
+    role = config.role
+    found = []
+    if role == "proxy":
+        found.append("the proxy's admin routes")
+    if role == "metaserver":
+        found.append("the metaserver's registry and push routes")
+    if role in ("prefill", "decode") and config.kv.connector in ("pull", "push"):
+        found.append("the KV side channel")
+    return found
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_without_token(config: Config) -> list[str]:
+    """Internal listeners this process runs without a cluster token (for a start-up warning)."""
+    return [] if config.cluster.token else internal_listeners(config)
+
+
+def security_warnings(config: Config) -> list[str]:
+    """What an operator should hear at start-up (the hard refusals are in _check_security)."""
+    out = []
+    exposed = open_without_token(config)
+    if exposed and is_loopback(config.server.host):
+        out.append(f"cluster.token is not set: {' and '.join(exposed)} accept any process on this host")
+    elif exposed:
+        out.append(f"UNAUTHENTICATED: {' and '.join(exposed)} served on {config.server.host} without "
+                   "cluster.token (allow_unauthenticated = true): anyone who can reach this host may use them")
+    if config.cluster.token and len(config.cluster.token) < 16 and internal_listeners(config):
+        out.append(f"cluster.token is short ({len(config.cluster.token)} characters); use 32 or more random "
+                   "characters, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return out
+
+
+def _check_security(config: Config) -> None:
+    from ascendserve import tls
+
+    server, cluster = config.server, config.cluster
+    if server.tls_cert or server.tls_key:
+        if config.role not in TLS_ROLES:
+            raise ConfigError(f"server.tls_cert / server.tls_key (--tls-cert / --tls-key) are for the "
+                              f"{' and '.join(TLS_ROLES)} roles, not {config.role!r}")
+        if (problem := tls.server_files_problem(server.tls_cert, server.tls_key)) is not None:
+            raise ConfigError(problem)
+    if cluster.tls_ca and (problem := tls.ca_file_problem(cluster.tls_ca)) is not None:
+        raise ConfigError(problem)
+    exposed = open_without_token(config)
+    if exposed and not is_loopback(server.host) and not cluster.allow_unauthenticated:
+        raise ConfigError(
+            f"server.host = {server.host!r} serves {' and '.join(exposed)} to other hosts, and without "
+            "cluster.token anyone who can reach it may use them: set cluster.token (--cluster-token / "
+            "ASCENDSERVE_CLUSTER_TOKEN), bind 127.0.0.1, or set cluster.allow_unauthenticated = true "
+            "(--allow-unauthenticated) to run open on purpose")
 
 
 def _check_parallel(config: Config) -> None:

@@ -4,6 +4,11 @@ Every line carries `role` and `instance_id`; lines emitted while a request is
 being served carry its `request_id` (bound at the HTTP edge with
 structlog.contextvars). JSON when stderr is not a terminal, console otherwise.
 
+Secrets are kept out of the code's log calls; as a last line of defence every
+rendered line has the values of this process's secrets (`configure(secrets=)`
+and the SECRET_ENV variables, which also reach vLLM's processes) replaced by
+"***", whoever logged them.
+
 vLLM configures logging in each of its processes (API server, engine core,
 workers) from a dictConfig file named by VLLM_LOGGING_CONFIG_PATH;
 `vllm_dictconfig()` builds that file so vLLM's own records go through the
@@ -12,12 +17,46 @@ same formatter.
 
 from __future__ import annotations
 
+import json
 import logging
 import logging.config
 import sys
 from typing import Any
 
 import structlog
+
+# Variables whose values are secrets wherever they are set (the engine's processes get the token this way).
+SECRET_ENV = ("ASCENDSERVE_CLUSTER_TOKEN", "ASCENDSERVE_API_KEY", "VLLM_API_KEY")
+MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words (and are no secret anyway)
+MASK = "***"
+
+
+def secret_masker(secrets):
+    """A last processor: the rendered line with every secret (as is, and as JSON
+    escapes it) replaced by MASK. Longest first, so one secret inside another goes too."""
+    needles: set[str] = set()
+    for secret in secrets:
+        if secret and len(secret) >= MIN_SECRET_CHARS:
+            needles |= {secret, json.dumps(secret)[1:-1]}
+    ordered = sorted(needles, key=len, reverse=True)
+
+    def mask(_logger, _method, line):
+        if isinstance(line, str):
+            for needle in ordered:
+                if needle in line:
+                    line = line.replace(needle, MASK)
+        return line
+
+    return mask
+
+
+def _env_secrets() -> list[str]:
+    from ascendserve.config import environ
+
+    env = environ()
+    values = [env.get(name, "") for name in SECRET_ENV]
+    return values + [part for v in values for part in v.replace(",", " ").split()]  # lists: --api-key k1,k2
+
 
 def use_json(fmt: str) -> bool:
     if fmt == "json":
@@ -47,11 +86,13 @@ def _foreign_fields(_logger, _method, event_dict):
     return event_dict
 
 
-def make_formatter(role: str = "", instance_id: str = "", fmt: str = "auto") -> logging.Formatter:
+def make_formatter(role: str = "", instance_id: str = "", fmt: str = "auto",
+                   secrets: list[str] | None = None) -> logging.Formatter:
     """A stdlib Formatter rendering any record as a structlog event.
 
     Referenced by name from the dictConfig vLLM loads in its child processes,
-    hence a module-level factory with plain-string arguments."""
+    hence a module-level factory with plain-string arguments (`secrets` only
+    in process: the dictConfig file never holds them, SECRET_ENV does)."""
     renderer = (
         structlog.processors.JSONRenderer()
         if use_json(fmt)
@@ -67,6 +108,7 @@ def make_formatter(role: str = "", instance_id: str = "", fmt: str = "auto") -> 
             _static_fields({"role": role, "instance_id": instance_id}),
             structlog.processors.format_exc_info,
             renderer,
+            secret_masker([*(secrets or []), *_env_secrets()]),
         ],
     )
 
@@ -93,9 +135,12 @@ def vllm_dictconfig(role: str, instance_id: str, level: str, fmt: str) -> dict:
     }
 
 
-def configure(role: str, instance_id: str, level: str = "info", fmt: str = "auto") -> None:
-    """Configure structlog and stdlib logging for this process."""
-    logging.config.dictConfig(vllm_dictconfig(role, instance_id, level, fmt))
+def configure(role: str, instance_id: str, level: str = "info", fmt: str = "auto",
+              secrets: list[str] | None = None) -> None:
+    """Configure structlog and stdlib logging for this process; `secrets` are masked in every line."""
+    config = vllm_dictconfig(role, instance_id, level, fmt)
+    config["formatters"]["ascendserve"]["secrets"] = list(secrets or [])
+    logging.config.dictConfig(config)
     route_structlog_to_stdlib()
 
 

@@ -17,9 +17,10 @@ def run(config: Config) -> int:
         heartbeat = Heartbeat(config.cluster.metaserver_url, config.cluster.token, config.instance_id,
                               config.role, config.advertise_url, config.local_url,
                               config.model.served_name or config.model.path, config.metaserver.heartbeat_interval_s,
-                              seed_registration(config), ready_path="/health").start()
+                              seed_registration(config), ready_path="/health",
+                              tls_ca=config.cluster.tls_ca).start()
     try:
-        return server.run(create_app(seed), config.server.host, config.server.port)
+        return server.run(create_app(seed, config.cluster.token), config.server)
     finally:
         if heartbeat is not None:
             heartbeat.stop()

@@ -6,4 +6,4 @@ from ascendserve.web import server
 
 
 def run(config: Config) -> int:
-    return server.run(create_app(config), config.server.host, config.server.port)
+    return server.run(create_app(config), config.server)

@@ -8,7 +8,10 @@ SIGKILL. It checks the protocol it receives and counts what happened:
     prefill  must get max_tokens=1, stream=false, kv_transfer_params.do_remote_decode
     decode   with --require-kv, must get P's kv_transfer_params (or a push-mode
              metaserver URL, which it calls back like vllm-ascend's layerwise D)
-GET /stub/stats returns the counters; POST /stub/reset clears them.
+GET /stub/stats returns the counters (and `peak_active`, the most streams open at
+once); POST /stub/reset clears them. A reset body {"gate": N} makes every stream
+wait after its first token until N streams are open at once (or --gate-timeout-s
+passes), so a load test can prove that N streams really were concurrent.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import aiohttp
 import msgspec
 
 STATS_KEYS = ("requests", "completed", "aborted", "protocol_errors", "prefills", "decodes", "encodes",
-              "push_callbacks", "active")
+              "push_callbacks", "active", "peak_active", "gate_timeouts")
 
 
 class Stub:
@@ -31,6 +34,8 @@ class Stub:
         self.stats = dict.fromkeys(STATS_KEYS, 0)
         self.ids = itertools.count()
         self.session: aiohttp.ClientSession | None = None
+        self.gate = 0
+        self.gate_open = asyncio.Event()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -51,20 +56,27 @@ class Stub:
         if path == "/stub/stats":
             return await self._json(send, self.stats)
         if path == "/stub/reset":
+            body = await self._body(receive)
             self.stats = dict.fromkeys(STATS_KEYS, 0)
+            self.gate = int(msgspec.json.decode(body).get("gate", 0)) if body else 0
+            self.gate_open.clear()
             return await self._json(send, self.stats)
         if method == "POST" and path in ("/start_profile", "/stop_profile", "/reset_prefix_cache"):
             return await self._reply(send, 200, b"")
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
-            raw = b""
-            while True:
-                msg = await receive()
-                raw += msg.get("body", b"")
-                if not msg.get("more_body"):
-                    break
+            raw = await self._body(receive)
             headers = dict(scope["headers"])
             return await self._generate(path, msgspec.json.decode(raw), headers, receive, send)
         return await self._json(send, {"error": {"message": "not found"}}, 404)
+
+    @staticmethod
+    async def _body(receive) -> bytes:
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                return raw
 
     async def _reply(self, send, status: int, body: bytes, ctype: bytes = b"application/json"):
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
@@ -138,8 +150,18 @@ class Stub:
                 "model": self.args.model, "usage": usage,
                 "choices": [{"index": 0, "text": "tok " * n, "finish_reason": "length"}]}
 
+    async def _pass_gate(self) -> None:
+        """Wait until `gate` streams are open at once; the gate stays open until the stub is idle."""
+        if self.stats["active"] >= self.gate:
+            self.gate_open.set()
+        try:
+            await asyncio.wait_for(self.gate_open.wait(), self.args.gate_timeout_s)
+        except TimeoutError:
+            self.stats["gate_timeouts"] += 1
+
     async def _stream(self, receive, send, chat: bool, rid: str, n: int):
         self.stats["active"] += 1
+        self.stats["peak_active"] = max(self.stats["peak_active"], self.stats["active"])
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         gone = asyncio.Event()
@@ -167,6 +189,8 @@ class Stub:
                          "choices": [choice]}
                 await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
                             "more_body": True})
+                if i == 0 and self.gate:
+                    await self._pass_gate()
             usage = {"id": f"x-{rid}", "object": obj, "created": created, "model": self.args.model, "choices": [],
                      "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
             await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(usage) +
@@ -177,6 +201,8 @@ class Stub:
         finally:
             watcher.cancel()
             self.stats["active"] -= 1
+            if self.stats["active"] == 0:
+                self.gate_open.clear()
 
 
 def main() -> None:
@@ -187,18 +213,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
     ap.add_argument("--require-kv", action="store_true", help="decode: refuse requests that skipped P")
+    ap.add_argument("--gate-timeout-s", type=float, default=30.0, help="longest wait at the gate (POST /stub/reset)")
     ap.add_argument("--metaserver-url", default="", help="register and heartbeat like an engine role")
     ap.add_argument("--cluster-token", default="")
     args = ap.parse_args()
+    from ascendserve.config import ServerConfig
+    from ascendserve.web.limits import raise_open_files_limit
     from ascendserve.web.server import run
 
+    raise_open_files_limit()  # a load test holds thousands of streams on one stub
     if args.metaserver_url:
         from ascendserve.discovery.heartbeat import Heartbeat
 
         url = f"http://127.0.0.1:{args.port}"
         Heartbeat(args.metaserver_url, args.cluster_token, f"stub-{args.role}-{args.port}", args.role, url, url,
                   args.model, interval_s=0.5).start()
-    run(Stub(args), "127.0.0.1", args.port)
+    run(Stub(args), ServerConfig(port=args.port))
 
 
 if __name__ == "__main__":

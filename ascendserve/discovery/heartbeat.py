@@ -19,6 +19,7 @@ import urllib.request
 import structlog
 
 from ascendserve import __version__
+from ascendserve.tls import client_context
 
 log = structlog.get_logger("ascendserve.discovery")
 _GAUGE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
@@ -27,8 +28,9 @@ _GAUGE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-
 class Heartbeat:
     def __init__(self, metaserver_url: str, token: str, instance_id: str, role: str, advertise_url: str,
                  local_url: str, model: str, interval_s: float, extra: dict | None = None,
-                 ready_path: str = "/v1/models"):
+                 ready_path: str = "/v1/models", tls_ca: str = ""):
         self.base = metaserver_url.rstrip("/") + "/v1/registry"
+        self.tls = client_context(tls_ca)  # an https metaserver with a private CA
         self.headers = {"content-type": "application/json"}
         if token:
             self.headers["authorization"] = f"Bearer {token}"
@@ -83,7 +85,7 @@ class Heartbeat:
     def _post(self, action: str, body: dict) -> None:
         req = urllib.request.Request(f"{self.base}/{action}", data=json.dumps(body).encode(),
                                      headers=self.headers, method="POST")
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5, context=self.tls) as r:
             r.read()
 
     def _local_ready(self) -> bool:

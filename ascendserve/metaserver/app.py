@@ -7,8 +7,9 @@ Registry (cluster token):
     GET  /v1/registry/instances[?role=R]              -> RegistryView
 Push mode:
     POST /v1/metaserver/expect    (cluster token; the proxy)  -> {"ticket": T}
-    POST /v1/metaserver?ticket=T  (decode instances)          -> {"status": "ok"} once P is done
-Ops: GET /health, GET /metrics
+    POST /v1/metaserver?ticket=T  (decode instances; the ticket is the credential) -> {"status": "ok"} once P is done
+Ops (open): GET /health, GET /metrics
+Bodies over proxy.max_body_mb get 413 on every route (/expect carries the client's request).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from ascendserve.metaserver.registry import Registry
 from ascendserve.protocol.kv_params import PushPrefillRequest
 from ascendserve.protocol.openai import APIError
 from ascendserve.protocol.registry import Deregistration, Heartbeat, Registration
+from ascendserve.protocol.wire import decode_json
+from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
+from ascendserve.web.body_limit import body_limit
 from ascendserve.web.errors import EXCEPTION_HANDLERS
 from ascendserve.web.upstream import Upstream, UpstreamError
 
@@ -37,7 +41,7 @@ log = structlog.get_logger("ascendserve.metaserver")
 
 def _decode(raw: bytes, type_):
     try:
-        return msgspec.json.decode(raw, type=type_)
+        return decode_json(raw, type_)
     except msgspec.ValidationError as exc:
         raise APIError(400, f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -133,7 +137,8 @@ async def _sweep(state: State, every_s: float) -> None:
 def create_app(config: Config) -> Litestar:
     ms = config.metaserver
     upstream = Upstream(request_timeout_s=config.proxy.request_timeout_s,
-                        connect_timeout_s=config.proxy.connect_timeout_s)
+                        connect_timeout_s=config.proxy.connect_timeout_s,
+                        ssl_context=client_context(config.cluster.tls_ca))
 
     async def post_json(url: str, body: dict, headers: dict) -> dict:
         try:
@@ -168,4 +173,6 @@ def create_app(config: Config) -> Litestar:
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=int(config.proxy.max_body_mb * 1024 * 1024),
+        middleware=[body_limit(config.proxy.max_body_mb)],
+        openapi_config=None,  # no unauthenticated /schema pages
     )

@@ -83,7 +83,7 @@ class PushDispatcher:
         exp = self._by_engine_id.get(key)
         if exp is None or exp.deadline < self.clock():
             raise PushError(404, f"unknown or expired request id {req.request_id!r}")
-        if not secrets.compare_digest(ticket, exp.ticket):
+        if not secrets.compare_digest(ticket.encode(errors="surrogatepass"), exp.ticket.encode()):  # str: ASCII only
             raise PushError(403, "invalid ticket for this request")
         if req.remote_host in WILDCARD_HOSTS:
             raise PushError(400, f"remote_host {req.remote_host!r} is a wildcard address; "

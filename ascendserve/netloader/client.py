@@ -50,7 +50,8 @@ def _check_manifest(ack: dict, expect_identity: dict) -> list[dict]:
                            f"config {expect_identity['config_sha256'][:12]}")
     names = set()
     for e in manifest:
-        ok = isinstance(e, dict) and isinstance(e.get("name"), str) and e.get("dtype") in DTYPE_BYTES \
+        ok = isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str) \
+            and e["dtype"] in DTYPE_BYTES \
             and isinstance(e.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in e["shape"]) \
             and isinstance(e.get("crc32"), int) and e.get("nbytes") == math.prod(e["shape"]) * DTYPE_BYTES[e["dtype"]]
         if not ok or e["name"] in names:

@@ -28,6 +28,7 @@ import structlog
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ascendserve.netloader.base import WeightTransport
+from ascendserve.tls import client_context
 from ascendserve.netloader.checkpoint import identity
 from ascendserve.netloader.client import NetLoadError, fetch
 
@@ -51,11 +52,12 @@ def _rank_info() -> dict:
     return info
 
 
-def registry_seeds(metaserver_url: str, token: str, config_sha256: str, timeout_s: float) -> list[str]:
+def registry_seeds(metaserver_url: str, token: str, config_sha256: str, timeout_s: float,
+                   tls_ca: str = "") -> list[str]:
     """Seeds of this model the metaserver knows: dedicated elastic-servers first."""
     req = urllib.request.Request(metaserver_url.rstrip("/") + "/v1/registry/instances",
                                  headers={"authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+    with urllib.request.urlopen(req, timeout=timeout_s, context=client_context(tls_ca)) as r:
         view = json.loads(r.read())
     found = [i for i in view.get("instances", []) if i.get("seed") and i.get("seed_model") == config_sha256]
     found.sort(key=lambda i: (i.get("role") != "elastic-server", i.get("load", {}).get("running", 0)))
@@ -108,7 +110,7 @@ class NetLoader(DefaultModelLoader):
             if not url:
                 raise NetLoadError("netloader sources = ['auto'] needs a metaserver (cluster.metaserver_url)")
             try:
-                sources = registry_seeds(url, token, config_sha256, timeout_s)
+                sources = registry_seeds(url, token, config_sha256, timeout_s, self.settings.get("tls_ca", ""))
             except (OSError, ValueError) as exc:
                 raise NetLoadError(f"metaserver {url} unreachable for seed discovery: {exc}") from None
             if not sources:

@@ -12,7 +12,8 @@ Conversation (ascendserve.protocol.frames, msgpack headers, raw payloads):
 A connection must present the cluster token in its first frame (compared in
 constant time) within `handshake_s`; anything else is refused and closed and
 the seed keeps serving. Every socket has a deadline (`idle_s` of silence),
-and at most `max_clients` transfers run at once (JOIN_NACK "busy" beyond).
+and at most `max_clients` transfers run at once (JOIN_NACK "busy" beyond; past
+`max_clients + MAX_HANDSHAKES` open connections, new ones are closed at once).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ascendserve.protocol.frames import FrameError, encode, read_frame, send_fra
 
 log = structlog.get_logger("ascendserve.netloader.seed")
 MAX_JOIN_BYTES = 0  # JOIN/GET carry no payload
+MAX_HANDSHAKES = 64  # connections beyond the transfers (handshaking, or told "busy") before refusing outright
 
 
 class Seed:
@@ -41,6 +43,7 @@ class Seed:
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_clients)
+        self._connections = threading.BoundedSemaphore(max_clients + MAX_HANDSHAKES)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="netloader-seed", daemon=True)
         self.served = 0
@@ -71,7 +74,18 @@ class Seed:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn, peer), name="netloader-send", daemon=True).start()
+            if not self._connections.acquire(blocking=False):  # a flood of idle sockets costs no threads
+                self.refused += 1
+                log.warning("netloader: too many connections; refusing", peer=peer[0])
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_counted, args=(conn, peer), name="netloader-send", daemon=True).start()
+
+    def _serve_counted(self, conn: socket.socket, peer) -> None:
+        try:
+            self._serve(conn, peer)
+        finally:
+            self._connections.release()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         with conn:

@@ -15,6 +15,8 @@ import struct
 
 import msgspec
 
+from ascendserve.protocol.wire import decode_msgpack
+
 MAGIC = b"ASF1"
 PREFIX = struct.Struct(">4sI")
 MAX_HEADER = 64 * 1024
@@ -39,7 +41,7 @@ def decode_header(prefix: bytes, body: bytes) -> dict:
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
     try:
-        header = msgspec.msgpack.decode(body)
+        header = decode_msgpack(body)
     except msgspec.DecodeError as exc:
         raise FrameError(f"undecodable header: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):

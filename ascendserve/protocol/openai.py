@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from ascendserve.protocol.wire import decode_json
+
 # Content-part types that carry a multimodal item (OpenAI + vLLM extensions).
 MM_PART_TYPES = frozenset({"image_url", "image", "image_pil", "image_embeds",
                            "audio_url", "input_audio", "audio", "video_url", "video"})
@@ -46,7 +48,7 @@ def _expect(body: dict, key: str, types: tuple, what: str, required: bool = Fals
 def parse(raw: bytes, kind: str) -> dict:
     """Decode and check a /v1/chat/completions (kind 'chat') or /v1/completions body."""
     try:
-        body = msgspec.json.decode(raw)
+        body = decode_json(raw)
     except msgspec.DecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -84,7 +86,7 @@ def mm_parts(body: dict) -> list[tuple[int, int, dict]]:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") in MM_PART_TYPES:
+                if isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] in MM_PART_TYPES:
                     found.append((i, j, part))
     return found
 
@@ -100,7 +102,8 @@ def prompt_chars(body: dict) -> int:
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
-            total += sum(len(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+            total += sum(len(p["text"]) for p in content
+                         if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
     return total
 
 

@@ -22,13 +22,16 @@ from litestar.response import Stream
 
 from ascendserve.config import Config, ConfigError, instance_url
 from ascendserve.protocol.openai import APIError, parse
+from ascendserve.protocol.wire import decode_json
 from ascendserve.router.discovery import RegistryWatch
 from ascendserve.router.health import HealthMonitor
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
 from ascendserve.router.pools import ACTIVE, ROLES, Pools
+from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
+from ascendserve.web.body_limit import body_limit
 from ascendserve.web.errors import EXCEPTION_HANDLERS
 from ascendserve.web.upstream import Upstream, UpstreamError
 
@@ -108,7 +111,7 @@ class _AdminBody(msgspec.Struct, forbid_unknown_fields=False):
 
 def _admin_body(raw: bytes) -> tuple[str, list[str]]:
     try:
-        body = msgspec.json.decode(raw, type=_AdminBody)
+        body = decode_json(raw, _AdminBody)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise APIError(400, f"invalid body: {exc}; expected {{\"type\": \"prefill\"|\"decode\", "
                             "\"instances\": [\"host:port\", ...]}") from None
@@ -194,7 +197,8 @@ def create_app(config: Config) -> Litestar:
         for url in getattr(settings, role):
             pools[role].add(url, source="static")
     backend_headers = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else {}
-    upstream = Upstream(settings.request_timeout_s, settings.connect_timeout_s, backend_headers)
+    upstream = Upstream(settings.request_timeout_s, settings.connect_timeout_s, backend_headers,
+                        client_context(config.cluster.tls_ca))
     metrics_ = ProxyMetrics(pools)
     health_ = HealthMonitor(pools, upstream, settings)
     pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
@@ -234,4 +238,6 @@ def create_app(config: Config) -> Litestar:
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=int(settings.max_body_mb * 1024 * 1024),
+        middleware=[body_limit(settings.max_body_mb)],
+        openapi_config=None,  # no unauthenticated /schema pages
     )

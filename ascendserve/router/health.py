@@ -15,6 +15,7 @@ import msgspec
 import structlog
 
 from ascendserve.config import ProxyConfig
+from ascendserve.protocol.wire import decode_json
 from ascendserve.router.pools import ACTIVE, DRAINING, EJECTED, PROBING, Instance, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
 
@@ -73,8 +74,8 @@ class HealthMonitor:
             status, raw = await self.upstream.get(inst.url + "/v1/models", self.settings.health_timeout_s)
             if status != 200:
                 return False
-            models = msgspec.json.decode(raw).get("data", [])
-            inst.models = tuple(m["id"] for m in models if isinstance(m, dict) and "id" in m)
+            models = decode_json(raw).get("data", [])
+            inst.models = tuple(m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str))
             roots = [m.get("root") for m in models if isinstance(m, dict) and isinstance(m.get("root"), str)]
             inst.root = roots[0] if roots else ""
             return True

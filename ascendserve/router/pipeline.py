@@ -37,6 +37,7 @@ import structlog
 from ascendserve.config import ProxyConfig
 from ascendserve.connectors.transport.channel import free_remote
 from ascendserve.protocol import kv_params
+from ascendserve.protocol.wire import decode_json
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
                                          only_part, prefix_key)
 from ascendserve.connectors.ec.memcached import StoreError
@@ -368,7 +369,7 @@ async def _first_chunk(response, url: str) -> bytes:
 
 def _client_message(exc: UpstreamError) -> str:
     try:
-        body = msgspec.json.decode(exc.body)
+        body = decode_json(exc.body)
         message = body.get("error", {}).get("message") or body.get("message") or body.get("detail")
         if message:
             return str(message)

@@ -1,13 +1,20 @@
-"""Bearer-token checks, compared in constant time; tokens never reach a log."""
+"""Bearer-token checks, compared in constant time; tokens never reach a log or a reply.
+
+A refused request gets 401 with a fixed message and one warning line naming
+the route and the peer, never what was presented.
+"""
 
 from __future__ import annotations
 
 import hmac
 
+import structlog
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
 from ascendserve.protocol.openai import APIError
+
+log = structlog.get_logger("ascendserve.auth")
 
 
 def presented_token(connection: ASGIConnection) -> str:
@@ -25,11 +32,15 @@ def matches(presented: str, accepted: list[str]) -> bool:
 
 
 def bearer_guard(accepted: list[str], what: str):
-    """A Litestar guard accepting any of `accepted`; open when the list is empty."""
+    """A Litestar guard accepting any of `accepted`; open when the list is empty
+    (config refuses that off loopback for internal routes, see config._check_security)."""
     accepted = [t for t in accepted if t]
 
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         if accepted and not matches(presented_token(connection), accepted):
+            client = connection.client.host if connection.client else ""
+            log.warning("authentication failed", credential=what, path=connection.url.path, client=client,
+                        presented=bool(presented_token(connection)))
             raise APIError(401, f"missing or invalid {what}", type="authentication_error", code="401")
 
     return guard

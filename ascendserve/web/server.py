@@ -1,28 +1,56 @@
-"""Serve a Litestar app with granian, in this process, until SIGTERM/SIGINT."""
+"""Serve a Litestar app with granian, in this process, until SIGTERM/SIGINT.
+
+Limits come from `[server]`: at most `max_connections` connections are served
+at once (granian's backpressure; more wait in the listen backlog), a request
+head over `max_header_kb` gets 431, and a connection that sends no complete
+head within `header_timeout_s` is closed, idle keep-alive ones included.
+HTTP/1.1 only: granian's protocol sniffing for HTTP/2 waits for a first byte
+with no deadline, so silent connections would hold their slot for ever.
+Bodies are limited by the app (`request_max_body_size`). HTTPS when
+`tls_cert`/`tls_key` are set (checked at config load).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from pathlib import Path
 
-from granian.constants import Interfaces
+from granian.constants import HTTPModes, Interfaces, SSLProtocols
+from granian.http import HTTP1Settings
 from granian.server.embed import Server
 
+from ascendserve.config import ServerConfig
 
-async def serve(app, host: str, port: int, backlog: int = 2048) -> None:
-    server = Server(app, address=host, port=port, interface=Interfaces.ASGI, log_enabled=False,
-                    backlog=backlog)
+BACKLOG = 2048
+
+
+def granian_options(settings: ServerConfig) -> dict:
+    options = dict(
+        address=settings.host, port=settings.port, interface=Interfaces.ASGI, http=HTTPModes.http1,
+        log_enabled=False, backlog=BACKLOG, backpressure=settings.max_connections,
+        http1_settings=HTTP1Settings(header_read_timeout=int(settings.header_timeout_s * 1000),
+                                     max_buffer_size=settings.max_header_kb * 1024),
+    )
+    if settings.tls_cert:
+        options.update(ssl_cert=Path(settings.tls_cert), ssl_key=Path(settings.tls_key),
+                       ssl_protocol_min=SSLProtocols.tls12)
+    return options
+
+
+async def serve(app, settings: ServerConfig) -> None:
+    server = Server(app, **granian_options(settings))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.stop)
     await server.serve()
 
 
-def run(app, host: str, port: int) -> int:
+def run(app, settings: ServerConfig) -> int:
     try:
         import uvloop
 
-        uvloop.run(serve(app, host, port))
+        uvloop.run(serve(app, settings))
     except ImportError:
-        asyncio.run(serve(app, host, port))
+        asyncio.run(serve(app, settings))
     return 0

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import ssl
+
 import aiohttp
 import msgspec
+
+from ascendserve.protocol.wire import decode_json
+
+# Idle pooled connections are dropped (and never reused) after this long: under
+# vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so a POST never goes
+# out on a socket the engine is closing, and a burst's sockets are returned soon.
+KEEPALIVE_S = 4.0
 
 
 class UpstreamError(Exception):
@@ -23,13 +32,16 @@ class UpstreamError(Exception):
 
 
 class Upstream:
-    def __init__(self, request_timeout_s: float, connect_timeout_s: float = 5.0, headers: dict | None = None):
+    def __init__(self, request_timeout_s: float, connect_timeout_s: float = 5.0, headers: dict | None = None,
+                 ssl_context: ssl.SSLContext | None = None):
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self._headers = headers or {}
+        self._ssl = ssl_context if ssl_context is not None else True  # https: cluster.tls_ca, else system CAs
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S,
+                                        ssl=self._ssl)
         self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
                                               json_serialize=lambda o: msgspec.json.encode(o).decode(),
                                               auto_decompress=False)
@@ -50,7 +62,7 @@ class Upstream:
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             raise UpstreamError(url, None, repr(exc)) from None
         try:
-            return msgspec.json.decode(raw)
+            return decode_json(raw)
         except msgspec.DecodeError:
             raise UpstreamError(url, 502, "backend answered with invalid JSON", raw) from None
 

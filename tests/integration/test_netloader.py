@@ -64,7 +64,7 @@ def test_text_joiner_without_weights_equals_plain_vllm(text_model, text_oracle, 
             assert completion_ids(joiner.url, str(text_model), prompt) == \
                 completion_ids(text_oracle.url, str(text_model), prompt)
         assert f"weights received" in joiner.log_text() and seed.seed in joiner.log_text()
-        described = httpx.get(seed.url + "/v1/seed", timeout=5).json()
+        described = httpx.get(seed.url + "/v1/seed", timeout=5, headers={"authorization": f"Bearer {TOKEN}"}).json()
         assert described["transfers_served"] == 1 and described["tensors"] > 0
     finally:
         joiner.stop()

@@ -65,7 +65,7 @@ def test_unknown_key(tmp_path, model_dir):
     f = write(tmp_path, f'[server]\nprot = 1\n[model]\npath = "{model_dir}"\n')
     r = cli("--role", "pd", "--config", f)
     assert r.returncode == 2
-    assert "unknown key 'server.prot'" in r.stderr and "allowed keys in [server]: host, port" in r.stderr
+    assert "unknown key 'server.prot'" in r.stderr and "allowed keys in [server]: header_timeout_s, host, max_connections" in r.stderr
 
 
 def test_unknown_top_level_key(tmp_path):

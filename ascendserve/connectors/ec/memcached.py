@@ -24,8 +24,12 @@ from dataclasses import dataclass
 
 import msgspec
 
+from ascendserve.protocol.wire import decode_msgpack
+
 PREFIX = "asf-ec:"
 _HEADER_VERSION = 1
+MAX_VALUE_BYTES = 1 << 30  # memcached's own largest item (-I 1024m)
+MAX_HEADER_BYTES = 1 << 16  # an entry header is a few dozen bytes
 
 
 class StoreError(Exception):
@@ -57,10 +61,24 @@ def new_header(dtype: str, shape: tuple[int, ...], nbytes: int, chunk: int) -> H
 
 def decode_header(raw: bytes) -> Header | None:
     try:
-        h = msgspec.msgpack.decode(raw, type=Header)
+        h = decode_msgpack(raw, type=Header)
     except msgspec.DecodeError:
         return None
     return h if h.v == _HEADER_VERSION and h.chunk > 0 and h.nbytes >= 0 else None
+
+
+@dataclass
+class _Value:
+    key: str
+    size: int
+
+
+def _value(line: bytes, limit: int = MAX_VALUE_BYTES) -> _Value:
+    """A `VALUE <key> <flags> <bytes>` line; StoreError for anything else (never trust its length)."""
+    parts = line.split()
+    if len(parts) < 4 or parts[0] != b"VALUE" or not parts[3].isdigit() or int(parts[3]) > limit:
+        raise StoreError(f"memcached get: {line[:100]!r}")
+    return _Value(parts[1].decode(errors="replace"), int(parts[3]))
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -68,12 +86,6 @@ def parse_url(url: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"memcached address must be host:port, got {url!r}")
     return host.strip("[]"), int(port)
-
-
-@dataclass
-class _Value:
-    key: str
-    size: int
 
 
 class Client:
@@ -146,6 +158,13 @@ class Client:
                 raise StoreError("memcached closed the connection")
             got += n
 
+    def _skip(self, sock: socket.socket, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 16)))
+        while n > 0:
+            take = min(n, len(scratch))
+            self._exact_into(sock, scratch[:take])
+            n -= take
+
     def _skip_crlf(self, sock: socket.socket) -> None:
         crlf = bytearray(2)
         self._exact_into(sock, memoryview(crlf))
@@ -167,10 +186,13 @@ class Client:
             raise StoreError(f"memcached set: {reply[:100]!r}")
         return self._call(run)
 
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+    def get_many(self, keys: list[str], max_bytes: int = MAX_VALUE_BYTES) -> dict[str, bytes]:
+        """Values by key; one over `max_bytes` counts as missing (and is read past, never held)."""
         out: dict[str, bytes] = {}
 
         def sink(value: _Value, sock: socket.socket) -> None:
+            if value.size > max_bytes:
+                return self._skip(sock, value.size)
             buf = bytearray(value.size)
             self._exact_into(sock, memoryview(buf))
             out[value.key] = bytes(buf)
@@ -184,9 +206,7 @@ class Client:
         def sink(value: _Value, sock: socket.socket) -> None:
             dest = targets.get(value.key)
             if dest is None or len(dest) != value.size:
-                scratch = bytearray(value.size)
-                self._exact_into(sock, memoryview(scratch))
-                return
+                return self._skip(sock, value.size)
             self._exact_into(sock, dest)
             found.add(value.key)
         self._get(list(targets), sink)
@@ -203,10 +223,7 @@ class Client:
                     line = self._line(sock)
                     if line == b"END":
                         break
-                    parts = line.split()
-                    if len(parts) < 4 or parts[0] != b"VALUE":
-                        raise StoreError(f"memcached get: {line[:100]!r}")
-                    sink(_Value(parts[1].decode(), int(parts[3])), sock)
+                    sink(_value(line), sock)
                     self._skip_crlf(sock)
         self._call(run)
 
@@ -261,7 +278,7 @@ def put_entry(client: Client, mm_hash: str, data: memoryview, dtype: str, shape:
 
 
 def get_header(client: Client, mm_hash: str) -> Header | None:
-    raw = client.get_many([header_key(mm_hash)]).get(header_key(mm_hash))
+    raw = client.get_many([header_key(mm_hash)], MAX_HEADER_BYTES).get(header_key(mm_hash))
     return decode_header(raw) if raw is not None else None
 
 
@@ -274,7 +291,7 @@ def read_entry_into(client: Client, mm_hash: str, h: Header, out: memoryview) ->
 
 
 def delete_entry(client: Client, mm_hash: str) -> None:
-    raw = client.get_many([header_key(mm_hash)]).get(header_key(mm_hash))
+    raw = client.get_many([header_key(mm_hash)], MAX_HEADER_BYTES).get(header_key(mm_hash))
     client.delete(header_key(mm_hash))
     h = decode_header(raw) if raw is not None else None
     if h is not None:
@@ -308,12 +325,10 @@ class AsyncClient:
                 line = (await reader.readuntil(b"\r\n"))[:-2]
                 if line == b"END":
                     return found
-                parts = line.split()
-                if len(parts) < 4 or parts[0] != b"VALUE":
-                    raise StoreError(f"memcached get: {line[:100]!r}")
-                raw = await reader.readexactly(int(parts[3]) + 2)
+                value = _value(line, MAX_HEADER_BYTES)
+                raw = await reader.readexactly(value.size + 2)
                 if decode_header(raw[:-2]) is not None:
-                    found.add(parts[1].decode().removeprefix(PREFIX))
+                    found.add(value.key.removeprefix(PREFIX))
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             raise StoreError(f"memcached {self.host}:{self.port}: {exc}") from None
         finally:

@@ -26,12 +26,13 @@ class PullSettings:
     port: int  # base port; TP rank r listens on port + r
     ttl_s: float
     transport: str = "tcp"
+    tls_ca: str = ""  # push: CA bundle for an https metaserver callback
 
     @classmethod
     def from_extra(cls, extra: dict) -> "PullSettings":
         return cls(host=str(extra.get("host", "127.0.0.1")), bind_host=str(extra.get("bind_host", "127.0.0.1")),
                    port=int(extra["port"]), ttl_s=float(extra.get("ttl_s", 120.0)),
-                   transport=str(extra.get("transport", "tcp")))
+                   transport=str(extra.get("transport", "tcp")), tls_ca=str(extra.get("tls_ca", "")))
 
 
 @dataclass

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ascendserve.connectors.kv.pull_plan import PullSettings
 from ascendserve.protocol.kv_params import base_request_id
+from ascendserve.tls import client_context
 
 log = structlog.get_logger("ascendserve.kv.push")
 
@@ -120,7 +121,8 @@ class PushPlanner:
         request_id = body["request_id"]
         try:
             if self._client is None:
-                self._client = httpx.AsyncClient(timeout=self.post_timeout_s)
+                self._client = httpx.AsyncClient(timeout=self.post_timeout_s,
+                                                 verify=client_context(self.settings.tls_ca) or True)
             r = await self._client.post(url, json=body)
             if r.status_code != 200:
                 raise RuntimeError(f"{r.status_code} {r.text[:300]}")

@@ -33,6 +33,7 @@ class Pages(Protocol):
 
     page_bytes: int
     num_layers: int
+    num_blocks: int
 
     def layout(self) -> dict: ...
 

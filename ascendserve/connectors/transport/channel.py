@@ -27,6 +27,7 @@ from ascendserve.protocol.frames import FrameError, read_frame, send_frame
 
 log = structlog.get_logger("ascendserve.kv.channel")
 SOCKET_BUFFER = 4 * 1024 * 1024
+HANDSHAKE_S = 10.0  # a connection must send its HELLO within this
 
 
 def _drain(conn: socket.socket, n: int) -> None:
@@ -100,8 +101,9 @@ class ChannelServer:
         layer, blocks = msg.get("layer"), msg.get("blocks")
         if type(layer) is not int or not 0 <= layer < self.pages.num_layers:
             return f"PUSH layer must be an integer in [0, {self.pages.num_layers})"
-        if not isinstance(blocks, list) or not all(type(b) is int for b in blocks):
-            return "PUSH blocks must be a list of integers"
+        if not isinstance(blocks, list) or len(blocks) > self.pages.num_blocks \
+                or not all(type(b) is int for b in blocks):
+            return f"PUSH blocks must be a list of at most {self.pages.num_blocks} integers"
         size = len(blocks) * self.pages.page_bytes
         via_shm = msg.get("shm") is not None
         if via_shm:
@@ -147,7 +149,7 @@ class ChannelServer:
         pushing: set[str] = set()  # requests with layers pushed on this connection, not yet complete
         try:
             _tune(conn)
-            conn.settimeout(self.idle_timeout_s)
+            conn.settimeout(min(self.idle_timeout_s, HANDSHAKE_S))  # a silent peer must not hold a slot long
             hello = read_frame(conn, 0)
             if hello["type"] != "HELLO" or not isinstance(hello.get("token"), str):
                 return self._reject(conn, peer, "expected HELLO with a token")
@@ -158,11 +160,13 @@ class ChannelServer:
                 mine = self.pages.layout()
                 if hello["layout"] != mine:
                     return self._reject(conn, peer, f"KV layout mismatch: peer {hello['layout']} vs here {mine}")
-                transport = self.transports.get(hello.get("transport", "tcp"))
+                name = hello.get("transport", "tcp")
+                transport = self.transports.get(name) if isinstance(name, str) else None
                 if transport is None:
                     return self._reject(conn, peer, f"transport {hello.get('transport')!r} not offered here "
                                                     f"(offered: {', '.join(sorted(self.transports))})")
             send_frame(conn, {"type": "OK", **(transport.offer() if transport else {})})
+            conn.settimeout(self.idle_timeout_s)
             while not self._stop.is_set():
                 msg = read_frame(conn, self.max_push_payload if transport is not None else 0)
                 kind, request_id = msg["type"], msg.get("request_id")
@@ -181,8 +185,10 @@ class ChannelServer:
                     if transport is None:
                         return self._reject(conn, peer, "READ on a control session (HELLO without a layout)")
                     blocks, heads = msg.get("blocks"), msg.get("heads")
-                    if not isinstance(blocks, list) or not all(type(b) is int for b in blocks):
-                        return self._reject(conn, peer, "READ blocks must be a list of integers")
+                    if not isinstance(blocks, list) or len(blocks) > self.pages.num_blocks \
+                            or not all(type(b) is int for b in blocks):  # repeats could ask for any size
+                        return self._reject(conn, peer, f"READ blocks must be a list of at most "
+                                                        f"{self.pages.num_blocks} integers")
                     if heads is not None and not (isinstance(heads, list) and len(heads) == 2
                                                   and all(type(h) is int for h in heads)
                                                   and 0 <= heads[0] and 1 <= heads[1]

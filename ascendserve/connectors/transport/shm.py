@@ -108,7 +108,7 @@ class ShmTransport(Transport):
             cur = self._maps.get(key)
         if cur is not None and cur[0] == name and len(cur[1]) >= size:
             return cur[1]
-        if "/" in name or not name.startswith("asf-kv-"):
+        if "/" in name or "\x00" in name or not name.startswith("asf-kv-"):
             raise TransferError(f"refusing shared-memory name {name!r}")
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
@@ -119,6 +119,8 @@ class ShmTransport(Transport):
             if os.fstat(fd).st_size < size:
                 raise TransferError(f"shared-memory segment {name} is smaller than {size} bytes")
             m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        except ValueError as exc:  # an empty file
+            raise TransferError(f"shared-memory segment {name}: {exc}") from None
         finally:
             os.close(fd)
         with self._lock:

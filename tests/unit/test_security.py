@@ -1,0 +1,171 @@
+"""Security settings: TLS files checked at load, no open internal port off loopback,
+server limits handed to granian, secrets masked in every rendered log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ascendserve.config import ConfigError, load, redacted, security_warnings
+from ascendserve.logging import make_formatter
+from ascendserve.web.server import granian_options
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def self_signed(directory: Path, name: str = "server") -> tuple[Path, Path]:
+    from tests.tlstools import write_self_signed
+
+    return write_self_signed(directory, name)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_tls_files_are_checked_at_load(tmp_path):
+    cert, key = self_signed(tmp_path)
+    c = load("metaserver", None, {"server__tls_cert": str(cert), "server__tls_key": str(key)}, env={})
+    assert c.local_url.startswith("https://") and c.scheme == "https"
+    other_cert, other_key = self_signed(tmp_path, "other")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    cases = [
+        ({"server__tls_cert": str(cert)}, "go together"),
+        ({"server__tls_cert": str(tmp_path / "absent.pem"), "server__tls_key": str(key)}, "does not exist"),
+        ({"server__tls_cert": str(tmp_path), "server__tls_key": str(key)}, "not a file"),
+        ({"server__tls_cert": str(garbage), "server__tls_key": str(key)}, "not a PEM certificate chain"),
+        ({"server__tls_cert": str(cert), "server__tls_key": str(other_key)}, "not a PEM certificate chain"),
+        ({"cluster__tls_ca": str(garbage)}, "not a PEM CA bundle"),
+        ({"cluster__tls_ca": str(tmp_path / "absent.pem")}, "does not exist"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load("proxy", None, flags, env={})
+    assert load("proxy", None, {"cluster__tls_ca": str(other_cert)}, env={}).cluster.tls_ca == str(other_cert)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_key_is_a_config_error(tmp_path):
+    cert, key = self_signed(tmp_path)
+    key.chmod(0)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load("proxy", None, {"server__tls_cert": str(cert), "server__tls_key": str(key)}, env={})
+
+
+def test_tls_is_for_proxy_and_metaserver_only(tmp_path, model_dir):
+    cert, key = self_signed(tmp_path)
+    tls = {"server__tls_cert": str(cert), "server__tls_key": str(key), "model__path": str(model_dir),
+           "cluster__token": "t" * 32}
+    for role in ("pd", "elastic-server", "all"):
+        with pytest.raises(ConfigError, match="for the proxy and metaserver roles"):
+            load(role, None, tls, env={})
+
+
+def test_internal_ports_off_loopback_need_a_token(model_dir):
+    wide = {"server__host": "0.0.0.0", "model__path": str(model_dir)}
+    for role, extra in (("proxy", {}), ("metaserver", {}), ("prefill", {"kv__connector": "pull"}),
+                        ("decode", {"kv__connector": "push"})):
+        with pytest.raises(ConfigError, match="set cluster.token") as err:
+            load(role, None, {**wide, **extra}, env={})
+        assert "allow_unauthenticated" in str(err.value)
+        assert load(role, None, {**wide, **extra, "cluster__token": "s" * 32}, env={}).cluster.token
+        opened = load(role, None, {**wide, **extra, "cluster__allow_unauthenticated": True}, env={})
+        assert any(w.startswith("UNAUTHENTICATED") for w in security_warnings(opened))
+        for loopback in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+            local = load(role, None, {**wide, **extra, "server__host": loopback}, env={})
+            assert any("not set" in w for w in security_warnings(local))
+    # nothing of ours listens: vLLM with the example connector, pd
+    assert load("pd", None, wide, env={}).server.host == "0.0.0.0"
+    assert load("prefill", None, wide, env={}).kv.connector == "example"
+
+
+def test_flags_and_env_twins_reach_the_security_keys(tmp_path):
+    cert, key = self_signed(tmp_path)
+    env = {"ASCENDSERVE_TLS_CERT": str(cert), "ASCENDSERVE_TLS_KEY": str(key), "ASCENDSERVE_TLS_CA": str(cert),
+           "ASCENDSERVE_MAX_CONNECTIONS": "77", "ASCENDSERVE_MAX_BODY_MB": "2.5",
+           "ASCENDSERVE_ALLOW_UNAUTHENTICATED": "true", "ASCENDSERVE_HOST": "0.0.0.0"}
+    c = load("proxy", None, {}, env=env)
+    assert (c.server.tls_cert, c.server.tls_key, c.cluster.tls_ca) == (str(cert), str(key), str(cert))
+    assert (c.server.max_connections, c.proxy.max_body_mb, c.cluster.allow_unauthenticated) == (77, 2.5, True)
+    r = subprocess.run([sys.executable, "-m", "ascendserve", "--role", "proxy", "--help"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--max-connections", "--max-body-mb",
+                 "--allow-unauthenticated"):
+        assert flag in r.stdout, flag
+
+
+def test_server_limits_reach_granian(tmp_path):
+    cert, key = self_signed(tmp_path)
+    c = load("proxy", None, {"server__tls_cert": str(cert), "server__tls_key": str(key)}, env={})
+    c.server.max_connections, c.server.max_header_kb, c.server.header_timeout_s = 100, 16, 2.5
+    options = granian_options(c.server)
+    assert options["backpressure"] == 100 and str(options["http"]) == "1"
+    assert options["http1_settings"].max_buffer_size == 16 * 1024
+    assert options["http1_settings"].header_read_timeout == 2500
+    assert options["ssl_cert"] == cert and options["ssl_key"] == key
+    assert "ssl_cert" not in granian_options(load("proxy", None, {}, env={}).server)
+
+
+def test_redacted_config_and_warnings_hold_no_secret():
+    token, key, backend = "tok-0123456789abcdef", "key-0123456789abcdef", "backend-0123456789"
+    c = load("proxy", None, {"cluster__token": token, "proxy__api_keys": [key],
+                             "proxy__backend_api_key": backend}, env={})
+    dumped = json.dumps(redacted(c)) + "".join(security_warnings(c))
+    assert token not in dumped and key not in dumped and backend not in dumped
+    assert security_warnings(load("proxy", None, {"cluster__token": "short"}, env={}))[0].startswith(
+        "cluster.token is short")
+
+
+def _render(formatter: logging.Formatter, message: str, *args) -> str:
+    record = logging.LogRecord("vllm.x", logging.INFO, __file__, 1, message, args, None)
+    return formatter.format(record)
+
+
+def test_secrets_are_masked_in_every_rendered_line(monkeypatch):
+    monkeypatch.setenv("ASCENDSERVE_CLUSTER_TOKEN", "env-token-value-1")
+    monkeypatch.setenv("ASCENDSERVE_API_KEY", "list-key-one,list-key-two")
+    formatter = make_formatter("proxy", "p-1", "json", secrets=["given-secret-1", 'quo"te-secret', "tiny"])
+    line = _render(formatter, "leaked %s %s %s %s %s %s", "given-secret-1", "env-token-value-1",
+                   "list-key-two", 'quo"te-secret', "tiny", "prefix-given-secret-1-suffix")
+    event = json.loads(line)["event"]
+    for secret in ("given-secret-1", "env-token-value-1", "list-key-two", "quote-secret", "te-secret"):
+        assert secret not in line, secret
+    assert event == "leaked *** *** *** *** tiny prefix-***-suffix"  # below 6 characters: not masked
+    console = _render(make_formatter("proxy", "p-1", "console", secrets=["given-secret-1"]), "x given-secret-1")
+    assert "given-secret-1" not in console and "***" in console
+
+
+def test_body_limit_answers_from_the_header_before_the_app():
+    import asyncio
+
+    from ascendserve.web.body_limit import BodyLimit
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def call(headers):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await BodyLimit(app, max_bytes=100)({"type": "http", "headers": headers}, None, send)
+        return sent[0]["status"], (json.loads(sent[1]["body"])["error"]["message"] if sent[1]["body"] else "")
+
+    assert asyncio.run(call([(b"content-length", b"100")])) == (204, "")
+    assert asyncio.run(call([])) == (204, "")  # no length: Litestar counts the body as it is read
+    assert asyncio.run(call([(b"Content-Length", b"101")])) == (413, "request body too large")
+    assert asyncio.run(call([(b"content-length", b"abc")])) == (400, "invalid Content-Length header")
+    assert asyncio.run(call([(b"content-length", b"-5")])) == (400, "invalid Content-Length header")
