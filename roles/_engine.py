@@ -1,4 +1,5 @@
-"""What the four engine roles share: vLLM in this process, registry heartbeat, no orphans after."""
+"""What the four engine roles share: vLLM in this process, registry heartbeat, no orphans after,
+no shared memory left by a killed predecessor."""
 
 from __future__ import annotations
 
@@ -6,23 +7,31 @@ from ascendserve.config import Config
 from ascendserve.discovery.heartbeat import Heartbeat
 from ascendserve.engine.vllm_server import serve
 from ascendserve.launch.children import reap_children
+from ascendserve.launch.shm_ledger import ShmLedger
 from ascendserve.logging import get_logger
 from ascendserve.netloader.checkpoint import seed_registration
 
 
 def run_engine(config: Config) -> int:
     log = get_logger("ascendserve.role")
+    ledger = ShmLedger(config.runtime_dir, config.instance_id)
+    removed = ledger.sweep()
+    if removed:
+        log.warning("removed the shared memory a killed run of this instance left", names=removed)
+    ledger.start()
     heartbeat = None
     if config.cluster.metaserver_url:
         heartbeat = Heartbeat(config.cluster.metaserver_url, config.cluster.token, config.instance_id,
                               config.role, config.advertise_url, config.local_url,
                               config.model.served_name or config.model.path,
-                              config.metaserver.heartbeat_interval_s, seed_registration(config)).start()
+                              config.metaserver.heartbeat_interval_s, seed_registration(config),
+                              tls_ca=config.cluster.tls_ca).start()
     try:
         return serve(config)
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        ledger.stop()
         killed = reap_children(timeout=10.0)
         if killed:
             log.warning("killed engine processes that outlived the server", pids=killed)

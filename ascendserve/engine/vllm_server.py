@@ -56,7 +56,8 @@ def kv_transfer_config(config: Config, kv_role: str) -> dict:
         "kv_role": kv_role,
         "kv_load_failure_policy": kv.load_failure_policy,
         "kv_connector_extra_config": {"host": config.cluster.advertise_host, "bind_host": config.server.host,
-                                      "port": kv.port, "ttl_s": kv.ttl_s, "transport": kv.transport},
+                                      "port": kv.port, "ttl_s": kv.ttl_s, "transport": kv.transport,
+                                      "tls_ca": config.cluster.tls_ca},
     }
 
 
@@ -119,7 +120,8 @@ def role_args(config: Config) -> list[str]:
         args += ["--kv-transfer-config", _json(kv_transfer_config(config, "kv_consumer"))]
     if config.netloader.sources:
         settings = {"sources": config.netloader.sources, "fallback": config.netloader.fallback,
-                    "timeout_s": config.netloader.timeout_s, "metaserver_url": config.cluster.metaserver_url}
+                    "timeout_s": config.netloader.timeout_s, "metaserver_url": config.cluster.metaserver_url,
+                    "tls_ca": config.cluster.tls_ca}
         args += ["--load-format", "netloader", "--model-loader-extra-config", _json({"netloader": settings})]
     if role in ("prefill", "pd") and config.ec.enabled:
         # Cross-process EC reuse needs the in-process processor cache off,
@@ -370,9 +372,31 @@ def _run(argv: list[str]) -> int:
         validate_parsed_serve_args(args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"vLLM rejected the engine arguments: {exc}") from None
+    asked: list[int] = []
     try:
-        uvloop.run(run_server(args))
+        uvloop.run(run_server(args), loop_factory=_stop_recording_loop(uvloop.Loop, asked))
     except KeyboardInterrupt:
-        pass
+        return 0
+    if not asked:
+        # vLLM stops its server by itself when its engine died (a worker killed, a crash):
+        # exit 0 would keep systemd's Restart=on-failure from restarting the instance
+        get_logger("ascendserve.engine").error("vLLM's server stopped without being asked to (its engine died); "
+                                               "exiting with status 1")
+        return 1
     return 0
+
+
+def _stop_recording_loop(base: type, asked: list[int]) -> type:
+    """An event loop class that records the signals (SIGTERM, SIGINT) that asked vLLM's
+    server to stop: vLLM handles them on the loop, and returns the same way either way."""
+
+    class Loop(base):
+        def add_signal_handler(self, sig, callback, *args):
+            def handler(*a):
+                asked.append(sig)
+                callback(*a)
+
+            return super().add_signal_handler(sig, handler, *args)
+
+    return Loop
 

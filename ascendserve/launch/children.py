@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -43,6 +44,42 @@ def reap_children(timeout: float = 10.0) -> list[int]:
             pass
     psutil.wait_procs(alive, timeout=timeout)
     return [c.pid for c in alive]
+
+
+_watching = False
+
+
+def die_with_parent(poll_s: float = 0.5) -> bool:
+    """In a multiprocessing child (vLLM's engine core, its workers): SIGKILL
+    this process as soon as the process that started it is gone.
+
+    vLLM's engine core does not watch the API server, so a role process
+    killed by SIGKILL left its engine and workers running as orphans that
+    held the KV side-channel port (a restart on the same port could not bind
+    it), their KV blocks and gigabytes of memory. Not SIGTERM: vLLM's
+    graceful shutdown waits on its workers and was seen stuck for more than
+    30 s under load, and without the API server nothing it does matters.
+    multiprocessing's resource tracker unlinks the shared memory the dead
+    registered once they are all gone. Returns whether a watch was started
+    (not in a process nobody spawned: a role's own parent may well exit)."""
+    global _watching
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None or _watching:
+        return False
+    _watching = True
+
+    def watch() -> None:
+        while os.getppid() == parent.pid:
+            time.sleep(poll_s)
+        from ascendserve.logging import get_logger
+
+        get_logger("ascendserve.launch").warning("parent process gone; exiting", parent=parent.pid)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ascendserve-parent-watch", daemon=True).start()
+    return True
 
 
 def _members(pgid: int) -> list[psutil.Process]:

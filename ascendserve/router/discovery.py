@@ -8,6 +8,7 @@ import msgspec
 import structlog
 
 from ascendserve.protocol.registry import RegistryView
+from ascendserve.protocol.wire import decode_json
 from ascendserve.router.health import HealthMonitor
 from ascendserve.router.pools import Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
@@ -35,7 +36,7 @@ class RegistryWatch:
             status, raw = await self.upstream.get(self.url, self.timeout_s, self.headers)
             if status != 200:
                 raise UpstreamError(self.url, status, raw[:200].decode(errors="replace"))
-            view = msgspec.json.decode(raw, type=RegistryView)
+            view = decode_json(raw, RegistryView)
         except (UpstreamError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             if self._reachable:
                 log.warning("metaserver unreachable; keeping the current instances", error=str(exc)[:200])
@@ -53,7 +54,10 @@ class RegistryWatch:
         live = {(i.role, i.url.rstrip("/")): i for i in view.instances if i.role in self.pools.by_role}
         added = False
         for (role, url), info in live.items():
-            if url not in self.pools[role].instances:
+            known = self.pools[role].instances.get(url)
+            # back while still draining its requests (it missed a heartbeat, or was restarted):
+            # routed to again; left draining, it would be forgotten and never re-added
+            if known is None or (known.state == "draining" and known.source == "registry"):
                 self.pools[role].add(url, source="registry", instance_id=info.instance_id)
                 log.info("instance joined through the registry", role=role, url=url, instance=info.instance_id)
                 added = True

@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from ascendserve.connectors.ec.region import Region, RegionError
+from ascendserve.connectors.ec.region import Region, RegionError, snapshot
 
 BLOCK = 4096
 
@@ -123,3 +123,20 @@ def test_stale_region_of_a_dead_holder_starts_empty(name):
         assert not r.contains("x") and r.stats()["free_blocks"] == 8
     finally:
         r.close()
+
+
+def test_snapshot_counts_what_peers_hold_without_holding_the_region(name):
+    assert snapshot(name) is None
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    try:
+        assert r.write("a", item(1, BLOCK), "uint8", (BLOCK,)) and r.write("b", item(2, 10), "uint8", (10,))
+        assert snapshot(name) == {"entries": 2, "pinned": 0, "writing": 0, "held": 0}
+        r.pin("a", ttl_s=60)
+        r.pin("b", ttl_s=0.2)
+        assert snapshot(name)["held"] == 2
+        time.sleep(0.3)  # b's pin lapsed: a dead reader's pin holds nothing past its deadline
+        assert snapshot(name) == {"entries": 2, "pinned": 1, "writing": 0, "held": 1}
+        r.unpin("a")
+        assert snapshot(name)["held"] == 0
+    finally:
+        r.close()  # still the last holder: the fixture checks the name is gone

@@ -377,3 +377,36 @@ class Region:
             return {"entries": int(np.count_nonzero(self._entries["state"] == READY)),
                     "free_blocks": int(h["free_count"]), "num_blocks": self.num_blocks,
                     "evictions": int(h["evictions"])}
+
+
+def snapshot(name: str) -> dict[str, int] | None:
+    """Counts of a region's entries read from outside, for monitoring and tests; None when it does not exist.
+
+    `held` = entries a reader has pinned or a writer is writing, whose deadline has not
+    passed: what a dead peer could keep. Read-only, without the mutex or the flock (an
+    observer must never become a holder: the last holder's close removes the name), so
+    the counts can be a moment old."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
+            return {"entries": 0, "pinned": 0, "writing": 0, "held": 0}
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            header = np.frombuffer(mm, _HEADER, 1, 0).copy()[0]
+            if int(header["magic"]) != MAGIC:
+                return {"entries": 0, "pinned": 0, "writing": 0, "held": 0}
+            entries_at, _, _, total = _sizes(int(header["block_size"]), int(header["num_blocks"]),
+                                             int(header["max_entries"]))
+            if total > size:
+                raise RegionError(f"region {name} is smaller than its header says")
+            e = np.frombuffer(mm, _ENTRY, int(header["max_entries"]), entries_at).copy()
+    finally:
+        os.close(fd)
+    now = time.monotonic()
+    pinned = int(np.count_nonzero((e["state"] == READY) & (e["pins"] > 0) & (e["pin_deadline"] >= now)))
+    writing = int(np.count_nonzero((e["state"] == WRITING) & (e["write_deadline"] >= now)))
+    return {"entries": int(np.count_nonzero(e["state"] == READY)), "pinned": pinned, "writing": writing,
+            "held": pinned + writing}
