@@ -228,7 +228,18 @@ def main() -> None:
         url = f"http://127.0.0.1:{args.port}"
         Heartbeat(args.metaserver_url, args.cluster_token, f"stub-{args.role}-{args.port}", args.role, url, url,
                   args.model, interval_s=0.5).start()
-    run(Stub(args), ServerConfig(port=args.port))
+    # vLLM's admin routes behind the same guard as a real engine's (engine/middleware); the test's
+    # own /stub/ routes stay open
+    from ascendserve.engine.middleware import ClusterGuard
+
+    app = Stub(args)
+    guarded = ClusterGuard(app, token=args.cluster_token)
+
+    async def serve(scope, receive, send):
+        target = app if scope.get("path", "").startswith("/stub/") else guarded
+        return await target(scope, receive, send)
+
+    run(serve, ServerConfig(port=args.port))
 
 
 if __name__ == "__main__":

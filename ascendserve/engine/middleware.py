@@ -1,6 +1,16 @@
 """ASGI middleware vLLM's server loads through `--middleware`.
 
-Binds the request id (`x-request-id`, generated when absent) into
+`ClusterGuard`: with a cluster token, vLLM's routes outside the client API
+(`/reset_prefix_cache`, `/start_profile`, `/pause`, `/sleep`,
+`/collective_rpc`, LoRA loading, `/docs`, ...: whatever this vLLM serves) need
+it, compared in constant time, as `x-cluster-token` or `Authorization:
+Bearer`. Open: probes (`/health`, `/ping`, `/ready`, `/version`, `/metrics`,
+`/load`) and the client API (`/v1/...`, `/v2/...`, `/inference/...`,
+`/tokenize`, `/detokenize`, `/pooling`, `/classify`, `/score`, `/rerank`,
+`/invocations`), which vLLM's own `--api-key` guards. An allow-list, so a
+route a new vLLM adds is guarded until it is listed here.
+
+`RequestContext`: binds the request id (`x-request-id`, generated when absent) into
 structlog's context so every log line emitted while serving the request
 carries it, echoes it on the response, and writes one canonical line per
 request instead of uvicorn's access log.
@@ -8,6 +18,8 @@ request instead of uvicorn's access log.
 
 from __future__ import annotations
 
+import hmac
+import os
 import time
 import uuid
 
@@ -59,3 +71,62 @@ class RequestContext:
                     status=status,
                     duration_ms=round((time.perf_counter() - start) * 1000, 2),
                 )
+
+
+OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/readyz", "/version", "/metrics", "/load",
+                        "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/invocations"})
+OPEN_PREFIXES = ("/v1/", "/v2/", "/inference/")
+# under an open prefix, but they change the running server
+GUARDED_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+_REFUSED = (b'{"error": {"message": "missing or invalid cluster token", "type": "authentication_error", '
+            b'"param": null, "code": "401"}}')
+
+
+def is_open(path: str) -> bool:
+    if path in GUARDED_PATHS:
+        return False
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def presented(scope) -> str:
+    """x-cluster-token, else a Bearer credential (the proxy sends both: Authorization is the backend API key)."""
+    token = _header(scope, b"x-cluster-token")
+    if token is not None:
+        return token
+    auth = _header(scope, b"authorization") or ""
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+class ClusterGuard:
+    """Refuses vLLM's admin routes without the cluster token (ASCENDSERVE_CLUSTER_TOKEN,
+    set by the role for vLLM's processes); passes everything when there is none."""
+
+    def __init__(self, app, token: str | None = None):
+        self.app = app
+        self.token = (os.environ.get("ASCENDSERVE_CLUSTER_TOKEN", "") if token is None else token).encode()
+
+    async def __call__(self, scope, receive, send):
+        if (not self.token or scope["type"] not in ("http", "websocket")
+                or is_open(scope.get("path", ""))
+                or hmac.compare_digest(presented(scope).encode(), self.token)):
+            return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("",))[0]
+        _log.warning("authentication failed", credential="cluster token", path=scope.get("path"), client=client,
+                     presented=bool(presented(scope)))
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(_REFUSED)).encode())]})
+        await send({"type": "http.response.body", "body": _REFUSED})
+
+
+class EngineMiddleware:
+    """What engine roles pass as vLLM's one `--middleware` (vLLM warns on a repeated flag):
+    the request context outermost, so refused requests are logged with their id too."""
+
+    def __init__(self, app):
+        self.app = RequestContext(ClusterGuard(app))
+
+    async def __call__(self, scope, receive, send):
+        return await self.app(scope, receive, send)

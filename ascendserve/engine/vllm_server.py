@@ -38,7 +38,7 @@ KV_CONNECTORS = {"example": "ExampleConnector", "pull": "AscendPullConnector", "
 KV_MODULES = {"pull": "ascendserve.connectors.kv.pull", "push": "ascendserve.connectors.kv.push"}
 EC_CONNECTORS = {"example": "ECExampleConnector", "shm": "AscendECShmConnector", "store": "AscendECStoreConnector"}
 EC_MODULE = "ascendserve.connectors.ec.connector"
-MIDDLEWARE = "ascendserve.engine.middleware.RequestContext"
+MIDDLEWARE = "ascendserve.engine.middleware.EngineMiddleware"
 
 
 def _json(obj: Any) -> str:
@@ -384,6 +384,17 @@ def _run(argv: list[str]) -> int:
                                                "exiting with status 1")
         return 1
     return 0
+
+
+def vllm_http_app(argv: list[str]):
+    """vLLM's HTTP app (routes and `--middleware`) for these arguments, without an engine:
+    for tests of what the server exposes."""
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser(prog="ascendserve (vLLM engine)")).parse_args(argv)
+    return build_app(args, supported_tasks=("generate",))
 
 
 def _stop_recording_loop(base: type, asked: list[int]) -> type:

@@ -164,7 +164,9 @@ async def _fan_out(state: State, path: str) -> Response:
 
     async def one(url: str):
         try:
-            status, _ = await state.upstream.post(url + path, 30.0)
+            # engines guard their admin routes with the cluster token (engine/middleware.ClusterGuard);
+            # Authorization stays the backend API key
+            status, _ = await state.upstream.post(url + path, 30.0, headers=state.cluster_headers)
             return url, status
         except UpstreamError:
             return url, None
@@ -226,7 +228,8 @@ def create_app(config: Config) -> Litestar:
                 pipeline.ec_lookup.close()
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
-                   "upstream": upstream, "watch": watch})
+                   "upstream": upstream, "watch": watch,
+                   "cluster_headers": {"x-cluster-token": config.cluster.token} if config.cluster.token else {}})
     client = Router(path="/", route_handlers=[chat, completions, models],
                     guards=[bearer_guard(settings.api_keys, "API key")])
     admin = Router(path="/", route_handlers=[instances_add, instances_remove, instances_list, start_profile,

@@ -90,9 +90,10 @@ class Upstream:
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             raise UpstreamError(url, None, repr(exc)) from None
 
-    async def post(self, url: str, timeout_s: float, body: dict | None = None) -> tuple[int, bytes]:
+    async def post(self, url: str, timeout_s: float, body: dict | None = None,
+                   headers: dict | None = None) -> tuple[int, bytes]:
         try:
-            async with self._session.post(url, data=msgspec.json.encode(body or {}), headers=self._h(None),
+            async with self._session.post(url, data=msgspec.json.encode(body or {}), headers=self._h(headers),
                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status, await r.read()
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:

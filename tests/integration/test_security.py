@@ -91,7 +91,7 @@ def plane(tmp_path_factory):
     PROCS.extend([pd, proxy])
     start_all(pd, proxy)
     wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy never found the stub")
-    yield {"proxy": proxy, "metaserver": meta, "elastic-server": seed, "limited": limited}
+    yield {"proxy": proxy, "metaserver": meta, "elastic-server": seed, "limited": limited, "pd": pd}
     for p in PROCS:
         p.stop(timeout=10)
 
@@ -154,6 +154,20 @@ def test_every_route_refuses_a_missing_or_wrong_credential(plane, role):
             assert r.status_code not in (401, 403), (method, path, r.status_code, r.text)
         for method, path in sorted(PUBLIC[role]):
             assert http.request(method, base + path).status_code in (200, 503), (method, path)
+
+
+def test_engine_admin_routes_need_the_token_and_the_proxy_fan_out_sends_it(plane):
+    """An engine's admin routes (vLLM's /reset_prefix_cache, ...) are behind engine/middleware.ClusterGuard;
+    the proxy's fan-out carries the token beside the backend API key. (tests/unit/test_engine_guard.py
+    drives the guard over vLLM's real route table.)"""
+    engine = plane["pd"]
+    with client() as c:
+        for headers in ({}, {"x-cluster-token": WRONG}, bearer(WRONG)):
+            assert c.post(engine.url + "/reset_prefix_cache", headers=headers).status_code == 401, headers
+        assert c.post(engine.url + "/reset_prefix_cache", headers={"x-cluster-token": TOKEN}).status_code == 200
+        assert c.get(engine.url + "/health").status_code == 200  # probes stay open
+        r = c.post(plane["proxy"].url + "/reset_prefix_cache", headers=bearer(TOKEN))
+        assert r.status_code == 200 and r.json() == {"ok": [engine.url], "failed": []}, r.text
 
 
 def test_the_push_callback_needs_its_ticket(plane):

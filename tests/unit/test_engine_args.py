@@ -64,7 +64,7 @@ def test_common_arguments_and_passthrough(tmp_path, model_dir):
     assert "--no-enable-prefix-caching" in argv
     assert json.loads(option(argv, "--limit-mm-per-prompt")) == {"image": 2}
     assert argv[-1] == "--seed=7"
-    assert option(argv, "--middleware") == "ascendserve.engine.middleware.RequestContext"
+    assert option(argv, "--middleware") == "ascendserve.engine.middleware.EngineMiddleware"
 
 
 @pytest.mark.parametrize("arg", ["--port=1", "--model", "--no-mm-encoder-only", "--tensor_parallel_size=2"])
