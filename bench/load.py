@@ -21,13 +21,11 @@ import os
 import tempfile
 from pathlib import Path
 
-import httpx
 import psutil
 
 from ascendserve.web.limits import raise_open_files_limit
 from bench._report import save, table
-from tests.loadgen import reset_stubs, run_round, stub_stats, wait_idle
-from tests.procs import control, start_all, stub, wait_for
+from tests.loadgen import reset_stubs, run_round, stub_cluster, stub_stats, wait_idle
 
 SLACK = 0.10
 # Per stream: the client's socket, the proxy's two ends (client, D) and a pooled P socket, D's and P's ends.
@@ -109,18 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(args.log_dir or t)
         tmp.mkdir(parents=True, exist_ok=True)
-        conf = tmp / "proxy.toml"
-        conf.write_text("[proxy]\nhealth_interval_s = 3600\n")  # idle = no socket at all
-        gate_timeout = str(args.timeout / 2)
-        p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv", "--gate-timeout-s", gate_timeout)
-        procs = [p, d]
-        try:
-            start_all(p, d)
-            proxy = control("proxy", tmp, "--config", str(conf), "--prefill", f"127.0.0.1:{p.port}",
-                            "--decode", f"127.0.0.1:{d.port}", "--log-level", "warning")
-            procs.append(proxy)
-            start_all(proxy)
-            wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy never healthy")
+        with stub_cluster(tmp, gate_timeout_s=args.timeout / 2) as (p, d, proxy):
             fresh = wait_idle(proxy.popen.pid, args.settle)
             print(f"proxy pid {proxy.popen.pid}: {fresh.rss_mb:.1f} MiB, {fresh.fds} open files before any "
                   f"request; open files limit {psutil.Process(proxy.popen.pid).rlimit(psutil.RLIMIT_NOFILE)}",
@@ -140,9 +127,6 @@ def main() -> None:
                 if proxy.popen.poll() is not None:
                     stopped = f"proxy exited with {proxy.popen.returncode} at {c}"
                     break
-        finally:
-            for proc in reversed(procs):
-                proc.stop()
     reached = max((r["concurrency"] for r in records if not r["errors"] and r["p_then_d"]
                    and r["peak_active"] == r["concurrency"]), default=0)
     if not stopped:

@@ -9,11 +9,13 @@ open files limit, EADDRNOTAVAIL the ephemeral ports, MemoryError memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -139,3 +141,28 @@ def wait_idle(pid: int, timeout_s: float = 30.0, within: Usage | None = None, sl
         if idle or time.monotonic() > deadline:
             return now
         time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def stub_cluster(log_dir: Path, gate_timeout_s: float):
+    """1P1D pull on 127.0.0.1: one proxy worker in front of a stub P and a stub D that refuses requests
+    which skipped P. Yields (prefill, decode, proxy); all three are stopped after."""
+    from tests.procs import control, start_all, stub, wait_for
+
+    conf = log_dir / "proxy.toml"
+    # No periodic health checks: "idle" is then exactly "no socket open", so readings compare.
+    conf.write_text("[proxy]\nhealth_interval_s = 3600\n")
+    p = stub("prefill", log_dir)
+    d = stub("decode", log_dir, "--require-kv", "--gate-timeout-s", str(gate_timeout_s))
+    procs = [p, d]
+    try:
+        start_all(p, d)
+        proxy = control("proxy", log_dir, "--config", str(conf), "--prefill", f"127.0.0.1:{p.port}",
+                        "--decode", f"127.0.0.1:{d.port}", "--log-level", "warning")
+        procs.append(proxy)
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy never healthy")
+        yield p, d, proxy
+    finally:
+        for proc in reversed(procs):
+            proc.stop()

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from ascendserve.web.limits import raise_open_files_limit
-from tests.loadgen import reset_stubs, run_round, stub_stats, wait_idle
-from tests.procs import control, start_all, stub, wait_for
+from tests.loadgen import reset_stubs, run_round, stub_cluster, stub_stats, wait_idle
+from tests.procs import control
 
 pytestmark = pytest.mark.integration
 STREAMS = 1500
@@ -46,19 +46,7 @@ def test_1500_concurrent_streams_through_one_proxy_worker(tmp_path):
     _, limit = raise_open_files_limit()  # this process is the 1,500 clients
     if limit < 2 * STREAMS:
         pytest.skip(f"open files hard limit {limit} is below {2 * STREAMS}")
-    conf = tmp_path / "proxy.toml"
-    # No periodic health checks: "idle" is then exactly "no socket open", so readings compare.
-    conf.write_text("[proxy]\nhealth_interval_s = 3600\n")
-    p = stub("prefill", tmp_path)
-    d = stub("decode", tmp_path, "--require-kv", "--gate-timeout-s", "30")
-    procs = [p, d]
-    try:
-        start_all(p, d)
-        proxy = control("proxy", tmp_path, "--config", str(conf), "--prefill", f"127.0.0.1:{p.port}",
-                        "--decode", f"127.0.0.1:{d.port}", "--log-level", "warning")
-        procs.append(proxy)
-        start_all(proxy)
-        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy never healthy")
+    with stub_cluster(tmp_path, gate_timeout_s=30) as (p, d, proxy):
         pid = proxy.popen.pid
 
         reset_stubs(p.url, d.url, gate=STREAMS)
@@ -83,6 +71,3 @@ def test_1500_concurrent_streams_through_one_proxy_worker(tmp_path):
         assert end.rss_mb <= start.rss_mb * (1 + SLACK), \
             f"RSS {start.rss_mb:.1f} MiB after warm-up, {end.rss_mb:.1f} MiB after the run"
         assert httpx.get(proxy.url + "/healthcheck", timeout=5).json()["request_num"] == 0  # every lease released
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
