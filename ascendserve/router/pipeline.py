@@ -62,6 +62,31 @@ class Reply:
     backend: str = ""
 
 
+class SSEFramer:
+    """Passes a backend's SSE bytes on in whole events only (up to the last blank line), so a
+    backend that dies mid-event never leaves the client half an event before our error event.
+    An event longer than `max_held` is passed on as it comes (the bound on what is held)."""
+
+    def __init__(self, max_held: int = 1 << 20):
+        self.held = b""
+        self.max_held = max_held
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.held + chunk if self.held else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0 and len(data) <= self.max_held:
+            self.held = data
+            return b""
+        end = len(data) if cut < 0 else cut + 2
+        self.held = data[end:]
+        return data[:end]
+
+    def flush(self) -> bytes:
+        """What the backend sent after its last whole event, at a clean end of the stream."""
+        out, self.held = self.held, b""
+        return out
+
+
 def sse_error(message: str, code: int = 502) -> bytes:
     event = msgspec.json.encode(error_body(message, "server_error", None, str(code)))
     return b"data: " + event + b"\n\ndata: [DONE]\n\n"
@@ -334,10 +359,15 @@ class Pipeline:
     async def _relay(self, lease: Lease, response, first: bytes, started: float, kind: str, request_id: str):
         ok = False
         outcome = "backend_failed"
+        framer = SSEFramer()
         try:
-            yield first
+            if whole := framer.feed(first):
+                yield whole
             async for chunk in response.content.iter_any():
-                yield chunk
+                if whole := framer.feed(chunk):
+                    yield whole
+            if rest := framer.flush():
+                yield rest
             ok, outcome = True, "ok"
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
@@ -345,7 +375,8 @@ class Pipeline:
             raise
         except Exception as exc:  # the backend broke mid-stream
             self.metrics.errors.labels("mid_stream").inc()
-            log.warning("backend failed mid-stream", url=lease.instance.url, error=repr(exc))
+            log.warning("backend failed mid-stream", url=lease.instance.url, error=repr(exc),
+                        dropped_partial_event_bytes=len(framer.held))
             yield sse_error(f"backend {lease.instance.role} instance failed mid-stream: {type(exc).__name__}")
         finally:
             response.close()  # on cancellation this aborts the request on the backend
