@@ -141,3 +141,19 @@ def test_health_probe_keeps_only_string_model_ids():
     inst = pools["pd"].add("http://127.0.0.1:1", source="static")
     assert asyncio.run(HealthMonitor(pools, Backend(), ProxyConfig())._probe(inst))
     assert inst.models == ("m",) and inst.root == "/models/m"
+
+
+def test_an_ec_store_header_cannot_declare_any_size_or_chunk_count():
+    """A memcached entry header is what the EC reader allocates (np.empty(nbytes)) and how many chunk
+    keys it asks for (n): both must be bounded and agree with each other."""
+    from ascendserve.connectors.ec import memcached
+
+    def raw(**over) -> bytes:
+        h = memcached.new_header("float32", (4, 8), 128, 64)
+        return msgspec.msgpack.encode(msgspec.structs.replace(h, **over))
+
+    assert memcached.decode_header(raw()) is not None
+    assert memcached.decode_header(raw(nbytes=memcached.MAX_ENTRY_BYTES + 1, n=1)) is None
+    assert memcached.decode_header(raw(n=10**9)) is None  # 128 bytes in 64-byte chunks is 2, not 10**9
+    assert memcached.decode_header(raw(chunk=memcached.MAX_VALUE_BYTES + 1, n=1)) is None
+    assert memcached.decode_header(raw(nbytes=-1)) is None

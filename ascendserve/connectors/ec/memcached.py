@@ -30,6 +30,8 @@ PREFIX = "asf-ec:"
 _HEADER_VERSION = 1
 MAX_VALUE_BYTES = 1 << 30  # memcached's own largest item (-I 1024m)
 MAX_HEADER_BYTES = 1 << 16  # an entry header is a few dozen bytes
+# one encoder output (image or video embeddings); a reader allocates what the header declares
+MAX_ENTRY_BYTES = 4 << 30
 
 
 class StoreError(Exception):
@@ -64,7 +66,10 @@ def decode_header(raw: bytes) -> Header | None:
         h = decode_msgpack(raw, type=Header)
     except msgspec.DecodeError:
         return None
-    return h if h.v == _HEADER_VERSION and h.chunk > 0 and h.nbytes >= 0 else None
+    if h.v != _HEADER_VERSION or not 0 < h.chunk <= MAX_VALUE_BYTES or not 0 <= h.nbytes <= MAX_ENTRY_BYTES:
+        return None
+    # what readers allocate and how many chunk keys they ask for follow from these: they must agree
+    return h if h.n == max(1, -(-h.nbytes // h.chunk)) else None
 
 
 @dataclass
