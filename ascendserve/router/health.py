@@ -2,6 +2,7 @@
 
     probing  --GET /v1/models 200-->  active  (models recorded)
     active   --eject_after failures (periodic /health or failed request hops)-->  ejected
+             (the last active one of its role: only by a failed /health check, run at once)
     ejected  --GET /health 200-->  active
 An instance added through the admin API that never answers its probes is
 dropped after `eject_after` tries, like vllm-ascend's waiting list.
@@ -32,10 +33,21 @@ class HealthMonitor:
         self._wake.set()
 
     def report_failure(self, inst: Instance) -> None:
-        """A request hop could not reach `inst`."""
+        """A request hop could not reach `inst`.
+
+        The last active instance of its role is not ejected on request errors alone: under a
+        burst those are connect timeouts of a live instance, and ejecting it would fail every
+        request of the role until the next check. Its health check runs at once instead and
+        ejects it if it is really gone (failed requests count toward `eject_after` there)."""
         inst.failures += 1
-        if inst.state == ACTIVE and inst.failures >= self.settings.eject_after:
+        if inst.state != ACTIVE or inst.failures < self.settings.eject_after:
+            return
+        if any(other is not inst for other in self.pools[inst.role].active()):
             self._set(inst, EJECTED, "ejected after failed requests")
+        else:
+            log.warning("failed requests on the last active instance of its role; checking its health now",
+                        url=inst.url, role=inst.role, failures=inst.failures)
+            self._wake.set()
 
     async def run(self) -> None:
         while True:
