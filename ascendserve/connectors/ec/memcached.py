@@ -249,7 +249,7 @@ class Client:
         return self._call(run)
 
     def keys(self) -> list[str]:
-        """Every live key (memcached's LRU crawler metadump); for tests and operators."""
+        """Every live key, once (memcached's LRU crawler metadump); for tests and operators."""
         def run(sock: socket.socket) -> list[str]:
             from urllib.parse import unquote
 
@@ -264,7 +264,9 @@ class Client:
             text, self._buf = bytes(self._buf), bytearray()
             if not text.endswith(b"END\r\n"):
                 raise StoreError(f"memcached metadump: {text[:100]!r}")
-            return [unquote(line.split()[0][4:].decode()) for line in text.split(b"\n") if line.startswith(b"key=")]
+            # the crawler can list an item twice (it moved between LRU segments mid-crawl): each key once
+            return list(dict.fromkeys(unquote(line.split()[0][4:].decode())
+                                      for line in text.split(b"\n") if line.startswith(b"key=")))
         return self._call(run)
 
 
