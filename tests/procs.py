@@ -73,6 +73,9 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Proc":
+        if self.popen is not None and self.popen.poll() is None:
+            raise RuntimeError(f"{self.name} is already running (pid {self.popen.pid}): a second start would "
+                               "leave the first process behind")
         self._log = open(self.log_path, "ab")  # a restart appends
         self.popen = subprocess.Popen(
             self.argv,

@@ -39,6 +39,7 @@ KV_MODULES = {"pull": "ascendserve.connectors.kv.pull", "push": "ascendserve.con
 EC_CONNECTORS = {"example": "ECExampleConnector", "shm": "AscendECShmConnector", "store": "AscendECStoreConnector"}
 EC_MODULE = "ascendserve.connectors.ec.connector"
 MIDDLEWARE = "ascendserve.engine.middleware.EngineMiddleware"
+HTTP_SHUTDOWN_S = 5  # longest wait for open HTTP connections once the engine has stopped
 
 
 def _json(obj: Any) -> str:
@@ -374,7 +375,11 @@ def _run(argv: list[str]) -> int:
         raise ConfigError(f"vLLM rejected the engine arguments: {exc}") from None
     asked: list[int] = []
     try:
-        uvloop.run(run_server(args), loop_factory=_stop_recording_loop(uvloop.Loop, asked))
+        # uvicorn's graceful shutdown waits for every open connection with no deadline: a client that
+        # keeps one open (seen: P under push with mooncake) held the stop for 30 s until SIGKILL, which
+        # left vLLM's shared memory behind. The engine has stopped by then; what is open cannot finish.
+        uvloop.run(run_server(args, timeout_graceful_shutdown=HTTP_SHUTDOWN_S),
+                   loop_factory=_stop_recording_loop(uvloop.Loop, asked))
     except KeyboardInterrupt:
         return 0
     if not asked:

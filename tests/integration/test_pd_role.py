@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 
 import httpx
@@ -80,11 +81,18 @@ def test_bad_request_is_a_4xx_with_openai_error(client, text_model):
 
 
 def test_zz_sigterm_stops_engine_processes(pd):
-    """Runs last in this module: it stops the shared instance."""
+    """Runs last in this module: it stops the shared instance, with a connection still open."""
     children = pd.descendants()
     assert any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in children), children
-    pd.popen.send_signal(signal.SIGTERM)
-    assert pd.popen.wait(timeout=60) == 0
+    # a client that keeps a request half sent: uvicorn's graceful shutdown waited for it for ever
+    held = socket.create_connection(("127.0.0.1", pd.port))
+    held.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 100\r\n\r\n{")
+    try:
+        pd.popen.send_signal(signal.SIGTERM)
+        assert pd.popen.wait(timeout=60) == 0
+    finally:
+        held.close()
     deadline = time.monotonic() + 15
     alive = children
     while alive and time.monotonic() < deadline:

@@ -338,7 +338,7 @@ def test_tls_round_trip_with_a_self_signed_certificate(tmp_path_factory):
     heartbeat = None
     try:
         _wait_https(meta_url + "/health", context, meta)
-        start_all(pd)
+        pd.wait_ready()
         # an engine's heartbeat, verifying the metaserver with the CA file
         heartbeat = Heartbeat(meta_url, TOKEN, "tls-pd", "pd", pd.url, pd.url, "stub-model", 0.5,
                               tls_ca=str(cert)).start()
