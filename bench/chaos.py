@@ -38,10 +38,12 @@ Outcome of each request: ok (200 and all `max_tokens` tokens, [DONE] for a
 stream); explicit (an HTTP error with an OpenAI error body, or an SSE error
 event); other (anything else: a truncated stream, a 200 with fewer tokens, a
 5xx without a body, a dropped connection); hung (past the client deadline).
-An explicit failure is "failed-explicit" only if the request was in flight
-when an instance was killed and the proxy's log names that instance for it
-(x-request-id: a hop that failed, or the backend of the stream); every other
-failure is "failed-other".
+An explicit failure is "failed-explicit" only if the proxy's log names the
+killed instance for it (x-request-id: a hop that failed, or the backend of
+the stream) and the request was in flight when it was killed or was sent to
+it while it was dying (between the kill and the last of its processes
+exiting: a killed worker leaves the API server answering with an error for a
+moment); every other failure is "failed-other".
 
 At the end: the load stops; the proxy must hold no request; within
 kv_ttl + pin_ttl + 30 s every P and D must be back to vllm:kv_cache_usage_perc
@@ -228,7 +230,10 @@ def classify(records: list[Record], kills: list[Kill], proxy: Proc) -> dict:
             counts["hung"] += 1
             bad.append(r)
             continue
-        on_killed = any(r.start <= k.at <= r.end and k.port in hops.get(r.rid, ()) for k in kills)
+        # in flight on it when it was killed, or sent to it while it was dying (a killed worker leaves
+        # its API server answering, with an error, until the instance is gone: k.dead_s)
+        on_killed = any(k.port in hops.get(r.rid, ()) and (r.start <= k.at <= r.end
+                                                          or k.at <= r.start <= k.at + k.dead_s) for k in kills)
         if r.outcome == "explicit" and on_killed:
             counts["failed-explicit"] += 1
             explicit.append(r)
