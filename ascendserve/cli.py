@@ -18,7 +18,8 @@ import importlib
 import sys
 
 from ascendserve import __version__
-from ascendserve.config import ConfigError, load, redacted, secrets, security_warnings
+from ascendserve.config import ConfigError, load, redacted, secrets
+from ascendserve.security import security_warnings
 from ascendserve.flags import ROLES, flags_for
 
 EXIT_USAGE = 2

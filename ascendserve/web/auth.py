@@ -33,7 +33,7 @@ def matches(presented: str, accepted: list[str]) -> bool:
 
 def bearer_guard(accepted: list[str], what: str):
     """A Litestar guard accepting any of `accepted`; open when the list is empty
-    (config refuses that off loopback for internal routes, see config._check_security)."""
+    (config refuses that off loopback for internal routes, see security.check)."""
     accepted = [t for t in accepted if t]
 
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:

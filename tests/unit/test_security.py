@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ascendserve.config import ConfigError, load, redacted, security_warnings
+from ascendserve.config import ConfigError, load, redacted
+from ascendserve.security import security_warnings
 from ascendserve.logging import make_formatter
 from ascendserve.web.server import granian_options
 
