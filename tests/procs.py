@@ -110,13 +110,9 @@ class Proc:
 
     def shared_memory(self) -> set[str]:
         """The /dev/shm segments the processes of this instance have mapped."""
-        names = set()
-        for p in [psutil.Process(self.popen.pid), *self.descendants()]:
-            try:
-                names |= {m.path[len("/dev/shm/"):] for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-            except psutil.Error:
-                pass
-        return names
+        from ascendserve.launch.shm_ledger import mapped_by
+
+        return mapped_by([self.popen.pid, *(p.pid for p in self.descendants())])
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM, then SIGKILL of the whole process group after `timeout`."""
