@@ -62,6 +62,10 @@ class EngineConfig(_Section):
     max_model_len: PositiveInt | None = None
     max_num_seqs: PositiveInt | None = None
     gpu_memory_utilization: Fraction | None = None
+    # KV cache size in bytes (vLLM's --kv-cache-memory-bytes). Unset on a CPU host:
+    # sized from the memory free at start-up, shared by `host_engines` engines.
+    kv_cache_memory_bytes: PositiveInt | None = None
+    host_engines: PositiveInt = 1  # engines starting on this host that share its free memory (`all` sets it)
     enforce_eager: bool = False
     # Data and expert parallelism (MoE models; `ascendserve launch` starts the
     # ranks). data_parallel_size > 1 with no data_parallel_rank: vLLM's internal

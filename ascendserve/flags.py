@@ -63,6 +63,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-model-len", "engine.max_model_len", "context length limit", ENGINE_ROLES),
     Flag("--max-num-seqs", "engine.max_num_seqs", "concurrent sequences per step", ENGINE_ROLES),
     Flag("--gpu-memory-utilization", "engine.gpu_memory_utilization", "device memory fraction (0, 1]", ENGINE_ROLES),
+    Flag("--kv-cache-memory-bytes", "engine.kv_cache_memory_bytes", "KV cache size in bytes (default on a CPU host: sized from free memory)", ENGINE_ROLES),
+    Flag("--host-engines", "engine.host_engines", "engines on this host sharing its free memory for default KV sizing (`all` sets it)", ENGINE_ROLES),
     Flag("--enforce-eager", "engine.enforce_eager", "disable graph capture / compilation", ENGINE_ROLES, switch=True),
     Flag("--vllm-arg", "engine.vllm_args", "extra vLLM argument, repeatable (e.g. --vllm-arg=--seed=1)", ENGINE_ROLES, repeatable=True),
     Flag("--kv-connector", "kv.connector", "KV connector between prefill and decode: example | pull | push (layerwise)", ("prefill", "decode")),
