@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ascendserve.config import Config, ConfigError, redact_args
+from ascendserve.engine.host_defaults import engine_dtype, memory_args
 from ascendserve.logging import get_logger, vllm_dictconfig
 
 # Settings the role owns; passing them through would silently change the role.
@@ -175,15 +176,16 @@ def build_argv(config: Config) -> list[str]:
         "--host", config.server.host,
         "--port", str(config.server.port),
         "--tensor-parallel-size", str(e.tensor_parallel_size),
-        "--dtype", e.dtype,
+        "--dtype", engine_dtype(config),
         "--middleware", MIDDLEWARE,
         "--disable-uvicorn-access-log",
     ]
     if config.model.served_name:
         argv += ["--served-model-name", config.model.served_name]
-    for key in ("max_model_len", "max_num_seqs", "gpu_memory_utilization"):
+    for key in ("max_model_len", "max_num_seqs"):
         if getattr(e, key) is not None:
             argv += _option(key, getattr(e, key))
+    argv += memory_args(config)
     if e.enforce_eager:
         argv.append("--enforce-eager")
     return argv + parallel_args(config) + role_args(config) + passthrough_args(config)
