@@ -95,8 +95,8 @@ main() {
         local model="$HOME/.cache/ascendserve/tiny-text"
         [ -f "$model/config.json" ] || "$VENV/bin/ascendserve" model tiny --kind text --out "$model" >/dev/null
         say "serving $model on http://127.0.0.1:8000 (Ctrl-C to stop)"
-        exec env OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
-            "$VENV/bin/ascendserve" --role pd --model "$model" --dtype float32 --port 8000
+        # no tuning flags: the engine roles size themselves on a CPU host (README "Engine defaults")
+        exec env OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/ascendserve" --role pd --model "$model" --port 8000
     fi
 }
 
