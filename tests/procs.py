@@ -81,10 +81,15 @@ class Proc:
             self.argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **ENGINE_ENV, **self.env},
+            env=self.environment(),
             start_new_session=True,  # own process group: teardown can reach every child
         )
         return self
+
+    def environment(self) -> dict[str, str]:
+        """The test environment with this process's own entries; an entry set to None is removed."""
+        env = {**os.environ, **ENGINE_ENV, **self.env}
+        return {k: v for k, v in env.items() if v is not None}
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -139,18 +144,29 @@ class Proc:
                 pass
 
 
-def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | None = None, env: dict | None = None) -> Proc:
+# What a user who passes no tuning flag gets: no engine arguments, and no KV size in the
+# environment (OMP_NUM_THREADS=1 stays: with 2 threads on 2 cores latency is bimodal).
+UNTUNED_ENV = {"VLLM_CPU_KVCACHE_SPACE": None}
+
+
+def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | None = None, env: dict | None = None,
+                tuned: bool = True) -> Proc:
+    """An engine role; tuned=False starts it the way a user does, with no tuning flag at all."""
     port = free_port()
     argv = [PYTHON, "-m", "ascendserve", "--role", role, "--model", str(model), "--port", str(port),
-            *ENGINE_ARGS, *extra]
+            *(ENGINE_ARGS if tuned else ()), *extra]
+    env = {**(env or {}), **({} if tuned else UNTUNED_ENV)}
     name = name or role
     return Proc(name, argv, port, log_dir / f"{name}.log", env or {})
 
 
-def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm", env: dict | None = None) -> Proc:
+def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm", env: dict | None = None,
+               tuned: bool = True) -> Proc:
+    """Plain vLLM; tuned=False: vLLM's defaults (dtype auto, compilation on), like an untuned
+    ascendserve engine, and only the KV size from ENGINE_ENV (vLLM's own default cannot start here)."""
     port = free_port()
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
+            "--host", "127.0.0.1", "--port", str(port), *(ENGINE_ARGS if tuned else ()), *extra]
     return Proc(name, argv, port, log_dir / f"{name}.log", env or {})
 
 

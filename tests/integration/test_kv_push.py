@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.procs import completion_ids, concurrent_ids, control, kv_usage, pd_cluster, start_all, wait_for
+from tests.traffic import check_mixed, check_repeats, check_shared_prefixes, text
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-push-token"
@@ -70,6 +71,26 @@ def test_push_equals_plain_vllm(push_cluster, name):
     # the tokens came from pushed KV, not from a local recompute after a failed push
     assert received(c) == received_before + 1
     assert not events(c["decode"], "pushed KV incomplete")
+
+
+def test_repeats_and_shared_prefixes_are_pushed_not_recomputed(push_cluster):
+    """Prefix-cache hits on P (and D): the blocks P had cached go to D too, so a prompt sent
+    again finishes as fast as the first time (a missed push stalled it for the KV TTL)."""
+    c = push_cluster
+    before = received(c)
+    check_repeats(c["proxy"].url, c["oracle"].url, c["model"], text(7, 300))
+    sent = 3 + check_shared_prefixes(c["proxy"].url, c["oracle"].url, c["model"], seed=7)
+    assert received(c) == before + sent
+    assert not events(c["decode"], "pushed KV never completed; failing the load")
+    assert not events(c["prefill"], "prefill finished before its KV was pushed; decode is told to recompute")
+
+
+def test_chat_completions_and_streams(push_cluster):
+    c = push_cluster
+    before = received(c)
+    sent = check_mixed(c["proxy"].url, c["oracle"].url, c["model"], seed=8)
+    assert received(c) == before + sent
+    assert not events(c["decode"], "pushed KV never completed; failing the load")
 
 
 def test_32_concurrent_requests(push_cluster):

@@ -70,6 +70,61 @@ def test_planner_skips_blocks_decode_already_had():
     assert meta.push == [PushPlan("D-p2", [3], [50], "127.0.0.1", 9, last=True)]
 
 
+def test_planner_pushes_the_blocks_prefill_had_cached():
+    """P's prefix-cache hit: those blocks are computed before this step and D has none of them."""
+    planner = PushPlanner(settings(), "e", 1, BS)
+    planner.update_state_after_alloc(prefill_request("p3", 10, [40, 41, 42]), None, 0)
+    meta = planner.build_connector_meta(step(new=[("p3", [7, 8, 9], 8)], scheduled={"p3": 2}))
+    assert meta.push == [PushPlan("D-p3", [7, 8, 9], [40, 41, 42], "127.0.0.1", 9, last=True)]
+
+
+def test_planner_with_hits_on_both_sides_pushes_what_decode_lacks():
+    planner = PushPlanner(settings(), "e", 1, BS)
+    planner.update_state_after_alloc(prefill_request("p4", 10, [50], cached=8), None, 0)  # D had 2 blocks
+    meta = planner.build_connector_meta(step(new=[("p4", [7, 8, 9], 8)], scheduled={"p4": 2}))
+    assert meta.push == [PushPlan("D-p4", [9], [50], "127.0.0.1", 9, last=True)]
+    # P's hit larger than D's: P's cached blocks past D's go too
+    planner.update_state_after_alloc(prefill_request("p5", 13, [60, 61, 62], cached=4), None, 0)
+    meta = planner.build_connector_meta(step(new=[("p5", [1, 2, 3, 4], 12)], scheduled={"p5": 1}))
+    assert meta.push == [PushPlan("D-p5", [2, 3, 4], [60, 61, 62], "127.0.0.1", 9, last=True)]
+
+
+def test_planner_with_a_prefix_hit_and_chunked_prefill():
+    planner = PushPlanner(settings(), "e", 1, BS)
+    planner.update_state_after_alloc(prefill_request("p6", 20, [70, 71, 72, 73, 74]), None, 0)
+    m1 = planner.build_connector_meta(step(new=[("p6", [1, 2, 3, 4], 8)], scheduled={"p6": 6}))
+    assert m1.push == [PushPlan("D-p6", [1, 2, 3, 4], [70, 71, 72, 73], "127.0.0.1", 9, last=False)]
+    m2 = planner.build_connector_meta(step(cached=[("p6", [5], 14)], scheduled={"p6": 6}))
+    assert m2.push == [PushPlan("D-p6", [4, 5], [73, 74], "127.0.0.1", 9, last=True)]
+
+
+def test_a_prefill_that_ends_before_its_push_tells_decode_at_the_next_step():
+    planner = PushPlanner(settings(), "e", 1, BS)
+    req = prefill_request("p7", 10, [40, 41, 42])
+    planner.update_state_after_alloc(req, None, 0)
+    planner.build_connector_meta(step(new=[("p7", [7, 8], 0)], scheduled={"p7": 6}))
+    planner.request_finished(req, [7, 8])  # aborted mid-prompt
+    meta = planner.build_connector_meta(step())
+    assert meta.push == [PushPlan("D-p7", [], [], "127.0.0.1", 9, last=True, abandon=True)]
+    assert planner.build_connector_meta(step()).push == []
+
+
+def test_decode_stops_waiting_soon_after_the_prefill_finished(monkeypatch):
+    from ascendserve.connectors.kv import push_worker
+
+    monkeypatch.setattr(push_worker, "PREFILLED_GRACE_S", 0.3)
+    d = PushWorker(settings(ttl_s=120.0), "tok", tp_rank=0, producer=False)
+    d.register_kv_caches(caches(2))
+    try:
+        d.start_load_kv(PushMetadata(expect={"lost": [1]}))
+        started = time.monotonic()
+        d.start_load_kv(PushMetadata(prefilled=["lost"]))  # P is done, but nothing came
+        _, _, failed = results_until(d, lambda g: "lost" in g[1], timeout=10)
+        assert "lost" in failed and time.monotonic() - started < 5  # not the 120 s TTL
+    finally:
+        d.shutdown()
+
+
 def test_planner_finds_its_prompt_in_a_batch():
     planner = PushPlanner(settings(), "e", 1, BS)
     batch = {"cmpl-x-0-aaaaaaaa": {"request_id": "cmpl-x-0-aaaaaaaa", "remote_block_ids": [1], "remote_host": "h",

