@@ -35,3 +35,264 @@ def text_oracle(text_model, tmp_path_factory):
     start_all(oracle)
     yield oracle
     oracle.stop()
+
+
+# --- Which tests start a real engine; --quick; wip --------------------------------------------
+#
+# `real_engine` marks every test that starts a real vLLM engine (an ascendserve engine role,
+# plain vLLM, a cluster of them). It is applied here; test files need not mark anything:
+#   - every module under tests/integration/ is real_engine unless NO_ENGINE_MODULES lists it
+#     (so a new integration module lands in the full suite, never silently in the quick one);
+#   - anywhere else, a test that uses an ENGINE_FIXTURES fixture, or whose module imports an
+#     ENGINE_HELPERS name from tests.procs or anything from bench/ (its harnesses start clusters);
+#   - a test marked real_engine explicitly.
+# `--quick` (scripts/test.sh --quick) deselects them and the `slow` ones (SLOW_TESTS), and
+# refuses to start an engine at all: a tests.procs.Proc that would run one raises, and a
+# watchdog fails (and kills) any test under which a vLLM process (title VLLM::..., or
+# vllm.entrypoints) appears in pytest's process tree.
+#
+# `wip` tests are deselected unless `--run-wip` or an -m expression that names wip (e.g.
+# `-m wip`), whatever else -m selects.
+
+import ast
+import os
+import re
+import threading
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+# tests/integration modules verified to start no engine: stub engines (tests/stub_backend.py),
+# control-plane roles, raw sockets, local memcached/Mooncake servers. Add a module here only
+# when it starts no vLLM; the --quick guard fails it otherwise.
+NO_ENGINE_MODULES = {
+    "tests/integration/test_proxy_stubs.py",
+    "tests/integration/test_security.py",
+    "tests/integration/test_load.py",
+    "tests/integration/test_netloader_wire.py",
+    "tests/integration/test_doctor.py",
+    "tests/integration/test_ec_store_backends.py",
+}
+# Long runs without an engine, left to the full suite so --quick stays under 3 minutes: the
+# atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick) and the
+# 1,500-stream load acceptance. Node id prefixes; marked `slow`.
+SLOW_TESTS = (
+    "tests/fuzz/test_decoders.py::test_fuzz_run_finds_nothing",
+    "tests/integration/test_load.py::test_1500_concurrent_streams_through_one_proxy_worker",
+)
+ENGINE_FIXTURES = {"text_oracle"}
+ENGINE_HELPERS = {"ascendserve", "plain_vllm", "pd_cluster"}  # tests/procs.py names that start vLLM
+ENGINE_ROLES = {"encoder", "prefill", "decode", "pd", "all"}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("ascendserve")
+    group.addoption("--quick", action="store_true",
+                    help="the inner loop: deselect real_engine and slow tests, and refuse to start a vLLM engine")
+    group.addoption("--run-wip", action="store_true", help="also run tests marked wip (deselected by default)")
+
+
+_engine_module_cache: dict[Path, bool] = {}
+
+
+def _module_starts_engines(path: Path) -> bool:
+    """Whether a test module imports something that starts a real engine."""
+    if path not in _engine_module_cache:
+        try:
+            tree = ast.parse(path.read_text())
+        except (OSError, SyntaxError):
+            tree = ast.Module(body=[], type_ignores=[])
+        found = False
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "tests.procs" and {a.name for a in node.names} & ENGINE_HELPERS:
+                    found = True
+                elif node.module == "bench" or node.module.startswith("bench."):
+                    found = True
+            elif isinstance(node, ast.Import) and any(a.name == "bench" or a.name.startswith("bench.")
+                                                      for a in node.names):
+                found = True
+            elif isinstance(node, ast.Attribute) and node.attr in ENGINE_HELPERS and \
+                    isinstance(node.value, ast.Name) and node.value.id == "procs":
+                found = True  # `from tests import procs; procs.plain_vllm(...)`
+        _engine_module_cache[path] = found
+    return _engine_module_cache[path]
+
+
+def _starts_engine(item) -> bool:
+    if item.get_closest_marker("real_engine"):
+        return True
+    path = Path(str(item.path)).resolve()
+    try:
+        rel = path.relative_to(REPO).as_posix()
+    except ValueError:
+        rel = path.as_posix()
+    if rel.startswith("tests/integration/") and rel not in NO_ENGINE_MODULES:
+        return True
+    if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    return _module_starts_engines(path)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m filters, so `-m real_engine` / `-m "not real_engine"` see the marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not item.get_closest_marker("real_engine") and _starts_engine(item):
+            item.add_marker(pytest.mark.real_engine)
+        if item.nodeid.startswith(SLOW_TESTS) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+    markexpr = config.getoption("markexpr") or ""
+    run_wip = config.getoption("run_wip") or re.search(r"\bwip\b", markexpr)
+    quick = config.getoption("quick")
+    keep, drop = [], []
+    for item in items:
+        wip = not run_wip and item.get_closest_marker("wip")
+        heavy = quick and (item.get_closest_marker("real_engine") or item.get_closest_marker("slow"))
+        if wip or heavy:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _is_vllm_process(p: psutil.Process) -> str | None:
+    """The command line of p when p is a vLLM engine, API server or worker process, else None."""
+    try:
+        cmd = p.cmdline()
+    except (psutil.Error, OSError):
+        return None
+    line = " ".join(cmd).strip()  # setproctitle pads the title with spaces
+    if line.startswith("VLLM::") or "vllm.entrypoints" in line or (len(cmd) > 1 and cmd[1:2] == ["serve"]
+                                                                      and cmd[0].endswith("vllm")):
+        return line
+    return None
+
+
+class _EngineWatchdog:
+    """Under --quick: notices any vLLM process among pytest's descendants, kills its tree, and
+    fails the test it appeared under (checked again at the end of each setup/call/teardown)."""
+
+    INTERVAL_S = 0.5
+
+    def __init__(self):
+        self.me = psutil.Process()
+        self.found: list[str] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="quick-engine-watchdog", daemon=True)
+
+    def _loop(self):
+        while not self.stop.wait(self.INTERVAL_S):
+            self.scan()
+
+    def scan(self):
+        try:
+            children = self.me.children(recursive=True)
+        except psutil.Error:
+            return
+        for p in children:
+            line = _is_vllm_process(p)
+            if line is None:
+                continue
+            with self.lock:
+                self.found.append(f"pid {p.pid}: {line[:300]}")
+            self._kill_tree(p)
+
+    def _kill_tree(self, p: psutil.Process):
+        # the whole subtree under pytest's child that is p's ancestor (or p itself)
+        top = p
+        try:
+            for parent in p.parents():
+                if parent.pid == self.me.pid:
+                    break
+                top = parent
+            victims = [top, *top.children(recursive=True)]
+        except psutil.Error:
+            victims = [p]
+        for v in victims:
+            try:
+                v.kill()
+            except psutil.Error:
+                pass
+
+    def take(self) -> list[str]:
+        self.scan()
+        with self.lock:
+            found, self.found = self.found, []
+        return found
+
+
+_watchdog: _EngineWatchdog | None = None
+
+
+def _refuse_engine(what: str):
+    pytest.fail(f"--quick started a real vLLM engine ({what}). A test that starts one belongs to the full suite: "
+                "it is marked real_engine automatically when it uses text_oracle, imports plain_vllm/pd_cluster/"
+                "ascendserve from tests.procs or bench.*, or lives in tests/integration/ outside NO_ENGINE_MODULES "
+                "(tests/conftest.py); else mark it @pytest.mark.real_engine.", pytrace=False)
+
+
+def _guard_proc_start():
+    """tests.procs.Proc.start refuses engine command lines under --quick."""
+    from tests import procs
+
+    original = procs.Proc.start
+
+    def start(self, *args, **kwargs):
+        argv = [str(a) for a in self.argv]
+        engine = any("vllm.entrypoints" in a for a in argv) or (argv[0].endswith("vllm") and "serve" in argv[1:2])
+        if "ascendserve" in argv and ("launch" in argv or "--role" in argv):
+            i = argv.index("--role") if "--role" in argv else -1
+            engine = engine or "launch" in argv or (0 <= i < len(argv) - 1 and argv[i + 1] in ENGINE_ROLES)
+        if engine and "--help" not in argv:
+            _refuse_engine(f"{self.name}: {' '.join(argv)[:300]}")
+        return original(self, *args, **kwargs)
+
+    procs.Proc.start = start
+
+
+def pytest_configure(config):
+    global _watchdog
+    if config.getoption("quick", False) and _watchdog is None:
+        os.environ["ASCENDSERVE_TESTS_QUICK"] = "1"
+        _guard_proc_start()
+        _watchdog = _EngineWatchdog()
+        _watchdog.thread.start()
+
+
+def pytest_unconfigure(config):
+    if _watchdog is not None:
+        _watchdog.stop.set()
+
+
+def _check_engines(phase: str):
+    if _watchdog is not None:
+        found = _watchdog.take()
+        if found:
+            _refuse_engine(f"seen during {phase}, killed: " + "; ".join(found))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    try:
+        return (yield)
+    finally:
+        _check_engines("setup")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    finally:
+        _check_engines("call")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        _check_engines("teardown")
