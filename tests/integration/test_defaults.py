@@ -1,0 +1,114 @@
+"""Engines started the way a new user starts them: their own model directory and no tuning flag.
+
+No --dtype, no --enforce-eager (vLLM compiles), no memory setting in flags or in the
+environment: on a CPU host the engine roles size their KV cache from free memory and
+pick a dtype the CPU runs. The oracle is plain vLLM with vLLM's own defaults (it gets
+only a KV size, without which vLLM cannot start beside other engines here). Every
+topology gets the traffic users send: repeats, shared prefixes, chat, streams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ascendserve.launch.children import kill_group
+from tests.procs import ENGINE_ENV, UNTUNED_ENV, ascendserve, free_port_run, start_all
+from tests.traffic import check_user_traffic
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory) -> Path:
+    """A model of the user's own: built here, not the demo the `all` role makes itself."""
+    out = tmp_path_factory.mktemp("user-model") / "my-model"
+    subprocess.run([sys.executable, "-m", "ascendserve", "model", "tiny", "--seed", "3", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(user_model, tmp_path_factory):
+    from tests.procs import plain_vllm
+
+    proc = plain_vllm(user_model, tmp_path_factory.mktemp("defaults-oracle"), name="vllm-defaults", tuned=False)
+    start_all(proc)
+    yield proc
+    proc.stop()
+
+
+def test_pd_role_with_no_flags_serves_users(user_model, oracle, tmp_path):
+    pd = ascendserve("pd", user_model, tmp_path, tuned=False)
+    start_all(pd)
+    try:
+        argv = next(json.loads(line)["vllm_args"] for line in pd.log_text().splitlines()
+                    if '"starting vLLM"' in line)
+        assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv
+        check_user_traffic(pd.url, oracle.url, str(user_model))
+    finally:
+        pd.stop()
+
+
+def _start_all_role(model: Path, run_dir: Path, *flags: str):
+    port = free_port_run(2, offsets=(10, 11, 1010, 1011))
+    out = open(run_dir / "all.out", "w")
+    env = {k: v for k, v in {**os.environ, **ENGINE_ENV, **UNTUNED_ENV}.items() if v is not None}
+    proc = subprocess.Popen([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "1P1D",
+                             "--model", str(model), "--port", str(port), "--runtime-dir", str(run_dir / "run"),
+                             "--log-format", "json", *flags],
+                            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}", run_dir / "all.out"
+
+
+def _wait_ready(proc, log: Path, timeout: float = 420) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"`all` exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        if "ready at" in log.read_text(errors="replace"):
+            return
+        time.sleep(1)
+    raise AssertionError(f"`all` never announced itself:\n{log.read_text()[-4000:]}")
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    finally:
+        kill_group(proc.pid, grace_s=0.0)
+
+
+def _events(log: Path, name: str) -> list[dict]:
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        if f'"{name}"' in line and line.startswith("{"):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == name:
+                found.append(event)
+    return found
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_all_1p1d_with_a_users_model_and_no_flags(user_model, oracle, tmp_path, mode):
+    proc, url, log = _start_all_role(user_model, tmp_path, *(["--mode", "push"] if mode == "push" else []))
+    try:
+        _wait_ready(proc, log)
+        sent = check_user_traffic(url, oracle.url, str(user_model))
+        # every request's KV came over from P: nothing stalled into a recompute
+        received = _events(log, "KV received") if mode == "push" else _events(log, "KV pulled")
+        assert len(received) >= sent, f"{len(received)} KV hand-offs for {sent} requests"
+        assert not _events(log, "pushed KV never completed; failing the load")
+    finally:
+        _stop(proc)
