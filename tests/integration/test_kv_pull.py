@@ -3,7 +3,10 @@
 Checks the oracle (greedy ids equal plain vLLM's, from a 1-token prompt to
 thousands of tokens, and 32 requests at once), that every block goes back
 to the pool (vLLM's kv_cache_usage_perc back to 0), P holding blocks until
-D frees them, and the side channel's refusals.
+D frees them, and the side channel's refusals. Users' traffic too (tests/traffic.py):
+the same prompt again (prefix-cache hits on P and D), shared prefixes, chat and
+streams, each pulled, not recomputed, and a repeat as fast as its first run; and
+one cluster started with no tuning flag at all (vLLM compiles, KV sized by the host).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import httpx
 import pytest
 
 from tests.procs import ascendserve, completion_ids, concurrent_ids, control, kv_usage, start_all, wait_for
+from tests.traffic import check_mixed, check_repeats, check_shared_prefixes, check_user_traffic, text
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-test-token"
@@ -68,6 +72,11 @@ def pulls(c) -> int:
     return sum(1 for e in lines if e.get("event") == "KV pulled" and e.get("transport") == c["transport"])
 
 
+def events(proc, name: str) -> list[dict]:
+    return [e for e in (json.loads(line) for line in proc.log_text().splitlines() if f'"{name}"' in line)
+            if e.get("event") == name]
+
+
 def metric(proc, name: str) -> float:
     text = httpx.get(proc.url + "/metrics", timeout=10).text
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
@@ -97,6 +106,24 @@ def test_32_concurrent_requests(pull_cluster):
     before = pulls(c)
     assert concurrent_ids(c["proxy"].url, c["model"], prompts, MAX_TOKENS) == expected
     assert pulls(c) == before + 32
+
+
+def test_repeats_and_shared_prefixes_are_pulled_not_recomputed(pull_cluster):
+    """Prefix-cache hits on P and on D: D still pulls what it lacks, and a prompt sent
+    again finishes within twice its first run (a stalled pull waits for the KV TTL)."""
+    c = pull_cluster
+    before = pulls(c)
+    check_repeats(c["proxy"].url, c["oracle"].url, c["model"], text(5, 300))
+    sent = 3 + check_shared_prefixes(c["proxy"].url, c["oracle"].url, c["model"], seed=5)
+    assert pulls(c) == before + sent, "a repeated or shared-prefix prompt was not pulled"
+    assert not events(c["decode"], "KV pull failed")
+
+
+def test_chat_completions_and_streams(pull_cluster):
+    c = pull_cluster
+    before = pulls(c)
+    sent = check_mixed(c["proxy"].url, c["oracle"].url, c["model"], seed=6)
+    assert pulls(c) == before + sent
 
 
 def test_blocks_return_to_idle_and_metrics_count_the_bytes(pull_cluster):
@@ -157,3 +184,42 @@ def test_side_channel_refuses_garbage_and_bad_tokens(pull_cluster):
     # and it keeps serving
     prompt = "Still serving after the garbage. " * 10
     assert ids(c["proxy"].url, c["model"], prompt) == ids(c["oracle"].url, c["model"], prompt)
+
+
+@pytest.fixture  # one test: stopped right after it, not kept beside the other clusters
+def untuned_pull_cluster(text_model, untuned_text_oracle, tmp_path_factory):
+    """P and D as a user starts them: no dtype, no eager, no memory setting (see tests/procs.py)."""
+    logs = tmp_path_factory.mktemp("kv-pull-untuned")
+    # the flags that make this topology (the pull connector, the token it requires) and json
+    # logs for the test to count the pulls; none tunes the engine
+    topology = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
+    prefill = ascendserve("prefill", text_model, logs, *topology, name="prefill-untuned", tuned=False)
+    decode = ascendserve("decode", text_model, logs, *topology, name="decode-untuned", tuned=False)
+    procs = [prefill, decode]
+    try:
+        start_all(prefill, decode)
+        proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{prefill.port}", "--decode", f"127.0.0.1:{decode.port}",
+                        "--cluster-token", TOKEN)
+        procs.append(proxy)
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
+        yield {"oracle": untuned_text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy,
+               "model": str(text_model), "transport": "tcp"}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_untuned_pull_serves_user_traffic(untuned_pull_cluster):
+    c = untuned_pull_cluster
+    argv = next(json.loads(line)["vllm_args"] for line in c["prefill"].log_text().splitlines()
+                if '"starting vLLM"' in line)
+    assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv  # compiled, KV sized by the host
+    before = pulls(c)
+    sent = check_user_traffic(c["proxy"].url, c["oracle"].url, c["model"], seed=9)
+    assert pulls(c) == before + sent, "a request of the untuned cluster was recomputed on D"
+    for name in ("1-token", "thousands"):
+        prompt = {"1-token": "a", "thousands": "".join(f"Line {i}: the quick brown fox. " for i in range(100))}[name]
+        assert ids(c["proxy"].url, c["model"], prompt) == ids(c["oracle"].url, c["model"], prompt), name
+    wait_for(lambda: kv_usage(c["prefill"]) == 0.0 and kv_usage(c["decode"]) == 0.0, 30,
+             "KV blocks still allocated after the requests finished")
