@@ -7,10 +7,14 @@ seed's shape, scaled down: prefill at TP2 + EP and decode at external
 DP2 + EP in one 1P1D cluster behind the proxy (KV by the pull connector,
 TP2 -> TP1 per rank), equal to plain TP1 vLLM, with both decode ranks used.
 Without the fixes every EP/DP layout here fails at its first request.
+The 1P1D cluster also gets users' traffic (tests/traffic.py: repeats within a
+latency bound, shared prefixes, chat, streams), and a 1P1D of the MoE model
+started with no tuning flag at all serves the same against untuned plain vLLM.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -18,6 +22,7 @@ import pytest
 
 from tests.procs import (ENGINE_ARGS, PYTHON, Proc, ascendserve, completion_ids, control,
                          free_port, free_port_run, plain_vllm, start_all, wait_for)
+from tests.traffic import check_user_traffic
 
 pytestmark = pytest.mark.integration
 TOKEN = "moe-test-token"
@@ -98,6 +103,44 @@ def test_internal_dp2_with_ep_equals_transformers(moe_model, hf_ids, tmp_path):
         pd.stop()
 
 
+@pytest.fixture  # one test, run before `cluster` starts: both at once would not fit in memory
+def untuned_moe_1p1d(moe_model, tmp_path):
+    """Plain vLLM, a prefill and a decode on the MoE model as a user starts them: no dtype,
+    no eager, no memory setting; the flags that make the topology (pull KV, its token) only."""
+    topology = ("--kv-connector", "pull", "--cluster-token", TOKEN, "--log-format", "json")
+    plain = plain_vllm(moe_model, tmp_path, name="vllm-moe-untuned", tuned=False)
+    prefill = ascendserve("prefill", moe_model, tmp_path, *topology, name="prefill-untuned", tuned=False)
+    decode = ascendserve("decode", moe_model, tmp_path, *topology, name="decode-untuned", tuned=False)
+    procs = [plain, prefill, decode]
+    try:
+        start_all(*procs)
+        proxy = control("proxy", tmp_path, "--prefill", f"127.0.0.1:{prefill.port}", "--decode",
+                        f"127.0.0.1:{decode.port}", "--cluster-token", TOKEN)
+        procs.append(proxy)
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 60, "proxy never healthy")
+        yield {"plain": plain, "prefill": prefill, "decode": decode, "proxy": proxy, "model": moe_model}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def _pulled(proc: Proc) -> int:
+    return sum('"KV pulled"' in line for line in proc.log_text().splitlines())
+
+
+def test_untuned_1p1d_serves_user_traffic(untuned_moe_1p1d):
+    c = untuned_moe_1p1d
+    argv = next(json.loads(line)["vllm_args"] for line in c["prefill"].log_text().splitlines()
+                if '"starting vLLM"' in line)
+    assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv
+    for prompt in PROMPTS:
+        assert _ids(c["proxy"].url, c["model"], prompt) == _ids(c["plain"].url, c["model"], prompt), prompt
+    before = _pulled(c["decode"])
+    sent = check_user_traffic(c["proxy"].url, c["plain"].url, str(c["model"]), seed=13)
+    assert _pulled(c["decode"]) == before + sent, "decode recomputed instead of pulling P's KV"
+
+
 @pytest.fixture(scope="module")
 def cluster(moe_model, tmp_path_factory):
     """Plain TP1 vLLM; metaserver + proxy; P at TP2 + EP; D at external DP2 + EP via `ascendserve launch`."""
@@ -169,3 +212,12 @@ def test_1p1d_prefill_tp2_ep_decode_external_dp2_ep_equals_plain_vllm(cluster):
     assert all(b > a for a, b in zip(served, after)), f"decode ranks served {served} -> {after}: not balanced"
     pulled = sum('"KV pulled"' in line for line in c["launcher"].log_text().splitlines())
     assert pulled >= len(PROMPTS), "decode recomputed instead of pulling P's KV"
+
+
+def test_user_traffic_through_the_1p1d_cluster(cluster):
+    """Repeats (each within twice its first run), shared prefixes, chat and streams through
+    P at TP2 + EP and D at external DP2 + EP; every request's KV pulled from P."""
+    c = cluster
+    pulled = _pulled(c["launcher"])
+    sent = check_user_traffic(c["proxy"].url, c["plain"].url, str(c["model"]), seed=14)
+    assert _pulled(c["launcher"]) == pulled + sent, "decode recomputed instead of pulling P's KV"
