@@ -74,11 +74,17 @@ NO_ENGINE_MODULES = {
     "tests/integration/test_ec_store_backends.py",
 }
 # Long runs without an engine, left to the full suite so --quick stays under 3 minutes: the
-# atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick) and the
-# 1,500-stream load acceptance. Node id prefixes; marked `slow`.
+# atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick), the
+# 1,500-stream load acceptance, the vLLM patch checks that spawn torch.distributed ranks
+# importing vLLM (7-10 s each on 2 cores), and `ascendserve doctor` (each run imports the
+# engine stack to probe devices: ~6 s a test). Node id prefixes; marked `slow`.
 SLOW_TESTS = (
     "tests/fuzz/test_decoders.py::test_fuzz_run_finds_nothing",
     "tests/integration/test_load.py::test_1500_concurrent_streams_through_one_proxy_worker",
+    "tests/unit/test_vllm_patches.py::test_all_gatherv_and_reduce_scatterv_on_two_gloo_ranks",
+    "tests/unit/test_vllm_patches.py::test_expert_parallel_ranks_sum_to_the_dense_moe",
+    "tests/unit/test_vllm_patches.py::test_without_the_fix_expert_parallel_does_not_match",
+    "tests/integration/test_doctor.py::",
 )
 ENGINE_FIXTURES = {"text_oracle"}
 ENGINE_HELPERS = {"ascendserve", "plain_vllm", "pd_cluster"}  # tests/procs.py names that start vLLM
