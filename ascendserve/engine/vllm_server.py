@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +358,18 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
 
 
 def _run(argv: list[str]) -> int:
+    stop = _StartupStop()
+    try:
+        return _run_vllm(argv, stop)
+    except StartupInterrupted as exc:
+        get_logger("ascendserve.engine").info("stopped during start-up", signal=signal.Signals(exc.signum).name)
+        stop.reap(grace_s=1.0)
+        return 0
+    finally:
+        stop.disarm()
+
+
+def _run_vllm(argv: list[str], stop: "_StartupStop") -> int:
     from ascendserve.engine.torchvision_compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
@@ -363,7 +377,6 @@ def _run(argv: list[str]) -> int:
 
     media_errors.install()
     import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -380,7 +393,7 @@ def _run(argv: list[str]) -> int:
         # uvicorn's graceful shutdown waits for every open connection with no deadline: a client that
         # keeps one open (seen: P under push with mooncake) held the stop for 30 s until SIGKILL, which
         # left vLLM's shared memory behind. The engine has stopped by then; what is open cannot finish.
-        uvloop.run(run_server(args, timeout_graceful_shutdown=HTTP_SHUTDOWN_S),
+        uvloop.run(_run_server(args, stop, timeout_graceful_shutdown=HTTP_SHUTDOWN_S),
                    loop_factory=_stop_recording_loop(uvloop.Loop, asked))
     except KeyboardInterrupt:
         return 0
@@ -391,6 +404,101 @@ def _run(argv: list[str]) -> int:
                                                "exiting with status 1")
         return 1
     return 0
+
+
+STARTUP_STOP_S = 5.5  # SIGTERM during start-up: vLLM's own teardown gets this long, then its processes are killed
+
+
+class StartupInterrupted(SystemExit):
+    """SIGTERM or SIGINT while vLLM starts (imports, model load, compilation, KV allocation).
+
+    vLLM's own start-up handler raises KeyboardInterrupt, and vLLM swallows it: the engine-core
+    handshake (`wait_for_engine_startup`) runs inside `zmq_socket_ctx`, which catches
+    KeyboardInterrupt and only logs it at debug level, so the start went on, uvicorn then put its
+    own handlers in place and the signal was lost (a pd role SIGTERMed while loading served on;
+    a supervisor waited for it until its own SIGKILL deadline). A SystemExit is caught by nothing
+    on that path (vLLM's `except BaseException` blocks re-raise; uvloop re-raises SystemExit from
+    callbacks, where another BaseException would be logged and dropped)."""
+
+    def __init__(self, signum: int):
+        super().__init__(0)
+        self.signum = signum
+
+
+class _StartupStop:
+    """This process's SIGTERM/SIGINT handler until uvicorn installs its own (`_run_server`).
+
+    The first signal raises StartupInterrupted in the main thread, so vLLM's start-up unwinds
+    through its cleanup (engine core terminated, 5 s grace, then killed); a watchdog then gives
+    it STARTUP_STOP_S: past that, every process this one started (but multiprocessing's
+    resource tracker, which unlinks the shared memory the killed leave) is SIGKILLed and this
+    process exits, whatever its main thread is stuck in."""
+
+    def __init__(self, deadline_s: float = STARTUP_STOP_S):
+        self.deadline_s = deadline_s
+        self.signum: int | None = None
+        self._done = threading.Event()
+        self.install()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def disarm(self) -> None:
+        self._done.set()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            return  # already stopping: a second signal must not interrupt the cleanup
+        self.signum = signum
+        threading.Thread(target=self._watchdog, name="ascendserve-startup-stop", daemon=True).start()
+        raise StartupInterrupted(signum)
+
+    def _watchdog(self) -> None:
+        if self._done.wait(self.deadline_s):
+            return
+        log = get_logger("ascendserve.engine")
+        log.warning("vLLM did not stop within the start-up stop deadline; killing its processes",
+                    deadline_s=self.deadline_s)
+        self.reap(grace_s=0.0)
+        if not self._done.wait(2.0):
+            log.error("still stopping after the deadline; exiting now")
+            os._exit(0)
+
+    @staticmethod
+    def reap(grace_s: float = 2.0) -> list[int]:
+        """Terminate this process's descendants (not the resource tracker), SIGKILL what is left after
+        `grace_s`. Returns the pids killed."""
+        import psutil
+
+        procs = [p for p in psutil.Process().children(recursive=True) if _still_running(p)]
+        for p in procs:
+            try:
+                p.terminate() if grace_s else p.kill()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s or 1.0)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=2.0)
+        return [p.pid for p in alive]
+
+
+async def _run_server(args, stop: _StartupStop, **uvicorn_kwargs) -> None:
+    """vLLM's `run_server` with ascendserve's start-up signal handler in place of vLLM's (whose
+    KeyboardInterrupt vLLM swallows: see StartupInterrupted). uvicorn replaces it with its own
+    handlers once the server is up, as it replaced vLLM's."""
+    from vllm.entrypoints.launchers.api_server.entry import run_server_worker
+    from vllm.entrypoints.launchers.launcher import setup_server
+    from vllm.utils.system_utils import decorate_logs
+
+    decorate_logs("APIServer", skip_if_decorated=True)
+    stop.install()
+    listen_address, sock = setup_server(args, reuse_port=False)
+    await run_server_worker(listen_address, sock, args, **uvicorn_kwargs)
 
 
 def vllm_http_app(argv: list[str]):
