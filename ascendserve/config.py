@@ -194,6 +194,9 @@ class MetaserverConfig(_Section):
 class AllConfig(_Section):
     topology: Literal["1E1P1D", "1P1D", "1E1PD", "mono"] = "1E1P1D"
     restart_backoff_max_s: Seconds = 30.0
+    # a child that exits before its readiness probe ever answered, this many times in a row,
+    # is given up and `all` exits non-zero (systemd's start limit); 0: restart for ever
+    start_limit: Annotated[int, Meta(ge=0, le=1000)] = 3
 
 
 class Config(_Section):

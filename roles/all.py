@@ -2,19 +2,26 @@
 
 Ports: proxy = --port, metaserver = --port + 1, engines = --port + 10, + 11, ...
 Engines register with the metaserver; the proxy finds them there. Without
---model, a tiny random-weight demo model is built in the runtime directory.
+--model, a tiny random-weight demo model is built in the runtime directory
+(and started exactly as a user's model would be). A child that fails to start
+`[all] start_limit` times in a row (exits before its /health answered) is
+given up: its last output lines are printed, the others are stopped and `all`
+exits with status 1.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import signal
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from ascendserve.config import Config, environ
-from ascendserve.launch.supervisor import Child, Supervisor, self_command
+from ascendserve.launch.supervisor import Child, Supervisor, child_log_format, probe_host, self_command
 from ascendserve.logging import get_logger
 
 TOPOLOGIES = {  # engine roles, in start order, and the extra flags each needs
@@ -23,9 +30,7 @@ TOPOLOGIES = {  # engine roles, in start order, and the extra flags each needs
     "1E1PD": [("encoder", []), ("pd", ["--ec-enabled"])],
     "mono": [("pd", [])],
 }
-# What the demo model needs on a CPU (vLLM's CPU attention, no bf16 everywhere).
-DEMO_ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-                     "--gpu-memory-utilization", "0.08"]
+STOP_TIMEOUT_S = 8.0  # SIGTERM to SIGKILL for a child (an engine stops within ~6 s, start-up included)
 
 
 def _demo_model(config: Config, topology: str) -> str:
@@ -39,9 +44,10 @@ def _demo_model(config: Config, topology: str) -> str:
     return str(path)
 
 
-def _children(config: Config, model: str, extra: list[str], token_env: dict) -> list[Child]:
+def _children(config: Config, model: str, token_env: dict) -> list[Child]:
     base, cli, run_dir = config.server.port, self_command(), Path(config.runtime_dir)
-    common = ["--log-level", config.log.level, "--log-format", config.log.format, "--runtime-dir", config.runtime_dir]
+    common = ["--log-level", config.log.level, "--log-format", child_log_format(config.log.format),
+              "--runtime-dir", config.runtime_dir]
     if config.config_file:
         common += ["--config", config.config_file]
     meta_url = f"http://127.0.0.1:{base + 1}"
@@ -51,26 +57,49 @@ def _children(config: Config, model: str, extra: list[str], token_env: dict) -> 
     kv = ["--kv-connector", connector] + (["--kv-path", str(run_dir / "kv")] if connector == "example" else [])
     ec = ["--ec-path", str(run_dir / "ec")]
     paths = {"encoder": ec, "prefill": kv + ec, "decode": kv, "pd": ec}
-    children = [Child("metaserver", [*cli, "--role", "metaserver", "--port", str(base + 1), *common], token_env)]
-    for i, (role, flags) in enumerate(TOPOLOGIES[config.all.topology]):
-        children.append(Child(role, [*cli, "--role", role, "--model", model, "--port", str(base + 10 + i),
-                                     "--metaserver-url", meta_url, *paths[role], *flags, *extra, *common],
-                              token_env))
+    engines = TOPOLOGIES[config.all.topology]
+    # readiness probes: the engines' (vLLM's) /health, the metaserver's /health, the proxy's /healthcheck
+    # (its /health says whether the cluster can serve, which is not the proxy's own start)
+    scheme = "https" if config.server.tls_cert else "http"
+    children = [Child("metaserver", [*cli, "--role", "metaserver", "--port", str(base + 1), *common], token_env,
+                      ready_url=f"{scheme}://127.0.0.1:{base + 1}/health")]
+    for i, (role, flags) in enumerate(engines):
+        port = base + 10 + i
+        children.append(Child(role, [*cli, "--role", role, "--model", model, "--port", str(port),
+                                     "--metaserver-url", meta_url, "--host-engines", str(len(engines)),
+                                     *paths[role], *flags, *common],
+                              token_env, ready_url=f"http://127.0.0.1:{port}/health"))
     children.append(Child("proxy", [*cli, "--role", "proxy", "--port", str(base), "--host", config.server.host,
-                                    "--metaserver-url", meta_url, "--mode", config.proxy.mode, *common], token_env))
+                                    "--metaserver-url", meta_url, "--mode", config.proxy.mode, *common], token_env,
+                          ready_url=f"{scheme}://{probe_host(config.server.host)}:{base}/healthcheck"))
     return children
 
 
+WAITING_REPORT_S = 30.0
+
+
 def _announce(config: Config, model: str, stopping: threading.Event) -> None:
-    """Print the URL and a sample request once the proxy can serve."""
+    """Print the URL and a sample request once the proxy can serve; until then, every
+    WAITING_REPORT_S, what the proxy's /health says is missing."""
     url = f"http://127.0.0.1:{config.server.port}"
+    log = get_logger("ascendserve.all")
+    started = last_report = time.monotonic()
+    why = "the proxy does not answer yet"
     while not stopping.is_set():
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
                     break
+        except urllib.error.HTTPError as exc:  # 503 with the proxy's explanation
+            try:
+                why = json.loads(exc.read()).get("error", {}).get("message", why)
+            except (ValueError, AttributeError, OSError):
+                pass
         except OSError:
             pass
+        if time.monotonic() - last_report >= WAITING_REPORT_S:
+            last_report = time.monotonic()
+            log.info("cluster not ready yet", waited_s=round(last_report - started), why=why)
         stopping.wait(1.0)
     if stopping.is_set():
         return
@@ -82,13 +111,12 @@ def _announce(config: Config, model: str, stopping: threading.Event) -> None:
 
 def run(config: Config) -> int:
     log = get_logger("ascendserve.all")
-    model, extra = config.model.path, []
-    if not model:
-        model, extra = _demo_model(config, config.all.topology), DEMO_ENGINE_FLAGS
+    model = config.model.path or _demo_model(config, config.all.topology)
     token = config.cluster.token or secrets.token_urlsafe(24)
     # Through the environment, not argv: `ps` shows every process's arguments.
     token_env = {"ASCENDSERVE_CLUSTER_TOKEN": token}
-    supervisor = Supervisor(_children(config, model, extra, token_env), environ(), config.all.restart_backoff_max_s)
+    supervisor = Supervisor(_children(config, model, token_env), environ(), config.all.restart_backoff_max_s,
+                            start_limit=config.all.start_limit, stop_timeout_s=STOP_TIMEOUT_S)
     stop = supervisor.stopping
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -99,4 +127,7 @@ def run(config: Config) -> int:
         supervisor.run()
     finally:
         supervisor.stop_all()
-    return 0
+    if supervisor.gave_up is not None:
+        log.error("cluster stopped: a child could not start", child=supervisor.gave_up.name,
+                  start_limit=config.all.start_limit)
+    return supervisor.exit_code()

@@ -14,7 +14,10 @@ and the proxy balances over them; --enable-expert-parallel: experts sharded
 over all TP x DP ranks). Flags left out come from the role's --config
 ([engine] data_parallel_size, data_parallel_size_local, data_parallel_rank_start,
 data_parallel_address, data_parallel_rpc_port, tensor_parallel_size). Ranks
-are supervised: one that dies is reported and restarted with a backoff.
+are supervised: one that dies is reported and restarted with a backoff; one
+that fails to start `--start-limit` times in a row (exits before its /health
+answered) is given up, its last output lines printed, the other ranks stopped,
+and the launcher exits with status 1.
 
 vLLM couples DP ranks only for MoE models (their experts are sharded across
 ranks); for dense models it refuses --data-parallel-* with external ranks and
@@ -32,7 +35,8 @@ from pathlib import Path
 
 from ascendserve.config import environ
 from ascendserve.flags import ENGINE_ROLES
-from ascendserve.launch.supervisor import Child, Supervisor, device_nodes, self_command
+from ascendserve.launch.supervisor import (DEFAULT_START_LIMIT, Child, Supervisor, child_log_format, device_nodes,
+                                           probe_host, self_command)
 from ascendserve.logging import configure, get_logger
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -55,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, help="tensor-parallel devices per rank (default 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
     p.add_argument("--restart-backoff-max", type=float, default=30.0, metavar="S")
+    p.add_argument("--start-limit", type=int, default=DEFAULT_START_LIMIT, metavar="N",
+                   help="give up (exit 1) on a rank that fails to start N times in a row; 0: never "
+                        f"(default {DEFAULT_START_LIMIT})")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="auto")
     return p
@@ -106,12 +113,13 @@ def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, s
                   device: str, moe: bool) -> list[Child]:
     local = args.dp_size_local
     cores = sorted(os.sched_getaffinity(0))
+    host = probe_host(_flag_value(passthrough, "--host") or env.get("ASCENDSERVE_HOST", ""))
     children = []
     for i in range(local):
         rank = args.dp_rank_start + i
         port = args.engine_port + i
         argv = [*cli, "--role", args.role, "--port", str(port), "--tensor-parallel-size", str(args.tp_size),
-                "--log-level", args.log_level, "--log-format", args.log_format]
+                "--log-level", args.log_level, "--log-format", child_log_format(args.log_format)]
         if args.model:
             argv += ["--model", args.model]
         if args.config:
@@ -124,8 +132,20 @@ def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, s
         else:  # independent instances, whatever the config file says
             argv += ["--data-parallel-size", "1"]
         child_env = device_env(device, i, args.tp_size, env, cores, local)
-        children.append(Child(f"{args.role}-dp{rank}", [*argv, *passthrough], child_env))
+        children.append(Child(f"{args.role}-dp{rank}", [*argv, *passthrough], child_env,
+                              ready_url=f"http://{host}:{port}/health"))
     return children
+
+
+def _flag_value(argv: list[str], flag: str) -> str:
+    """The last value given to `flag` (`--flag V` or `--flag=V`) in argv, or ""."""
+    value = ""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _check(args) -> str | None:
@@ -134,6 +154,8 @@ def _check(args) -> str | None:
     local = args.dp_size_local
     if args.dp_size < 1 or local < 1 or args.tp_size < 1:
         return "--dp-size, --dp-size-local and --tp-size must be >= 1"
+    if args.start_limit < 0:
+        return "--start-limit must be >= 0 (0: never give up)"
     if args.dp_rank_start < 0 or args.dp_rank_start + local > args.dp_size:
         return (f"ranks {args.dp_rank_start}..{args.dp_rank_start + local - 1} do not fit in --dp-size "
                 f"{args.dp_size}")
@@ -202,7 +224,7 @@ def main(argv: list[str]) -> int:
     log.info("launching data-parallel ranks", role=args.role, device=device, dp_size=args.dp_size,
              ranks=[c.name for c in children], ports=[args.engine_port + i for i in range(len(children))],
              coupling="vLLM data parallel (MoE)" if moe else "independent instances (dense model)")
-    supervisor = Supervisor(children, env, args.restart_backoff_max)
+    supervisor = Supervisor(children, env, args.restart_backoff_max, start_limit=args.start_limit)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: supervisor.stopping.set())
     supervisor.start_all()
@@ -210,4 +232,4 @@ def main(argv: list[str]) -> int:
         supervisor.run()
     finally:
         supervisor.stop_all()
-    return 0
+    return supervisor.exit_code()
