@@ -1,7 +1,8 @@
 """The proxy's HTTP API (Litestar). Client routes take the API key; admin routes the cluster token.
 
 Client:  POST /v1/chat/completions, POST /v1/completions, GET /v1/models
-Ops:     GET /health (per role, 503 when a role has no healthy instance),
+Ops:     GET /health (per role; 503 saying what is missing until every role the topology needs has a
+         healthy instance; GET /v1/models answers the same 503 until then),
          GET /healthcheck (vllm-ascend's counts), GET /metrics (Prometheus)
 Admin:   POST /instances/add, POST /instances/remove (vllm-ascend bodies), GET /instances,
          POST /start_profile, /stop_profile, /reset_prefix_cache (fan-out)
@@ -21,14 +22,14 @@ from litestar.datastructures import State
 from litestar.response import Stream
 
 from ascendserve.config import Config, ConfigError, instance_url
-from ascendserve.protocol.openai import APIError, parse
+from ascendserve.protocol.openai import APIError, error_body, parse
 from ascendserve.protocol.wire import decode_json
 from ascendserve.router.discovery import RegistryWatch
 from ascendserve.router.health import HealthMonitor
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
-from ascendserve.router.pools import ACTIVE, ROLES, Pools
+from ascendserve.router.pools import ACTIVE, ROLES, Pools, Readiness
 from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
 from ascendserve.web.body_limit import body_limit
@@ -78,9 +79,21 @@ async def completions(request: Request, state: State) -> Response | Stream:
 
 @get("/v1/models")
 async def models(state: State) -> dict:
-    now = int(time.time())
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "ascendserve"}
-                                       for m in state.pools.models()]}
+    """The engines' model list, as vLLM gives it; 503 with what is missing until the topology can serve."""
+    ready = _readiness(state)
+    if not ready.ok:
+        raise APIError(503, ready.message, type="service_unavailable", code="no_healthy_instance")
+    return {"object": "list", "data": state.pools.model_cards()}
+
+
+def _readiness(state: State) -> Readiness:
+    """What /health and /v1/models report: the roles this proxy's topology needs, each with a healthy
+    instance? Encoders are optional unless the proxy may not fall back to local encoding."""
+    ready = state.pools.readiness(encoders_required=state.settings.encoder_fallback == "fail")
+    watch = state.watch
+    if not ready.ok and watch is not None and not getattr(watch, "_reachable", True):
+        ready.missing.append(f"metaserver {watch.url} unreachable")
+    return ready
 
 
 @get("/healthcheck")
@@ -92,11 +105,14 @@ async def healthcheck(state: State) -> dict:
 
 @get("/health")
 async def health(state: State) -> Response:
-    pools: Pools = state.pools
-    roles = {r: {"healthy": len(pools[r].active()), "total": len(pools[r])} for r in ROLES if len(pools[r])}
-    servable = pools.has_active("pd") or (pools.has_active("prefill") and pools.has_active("decode"))
-    ok = servable and all(v["healthy"] > 0 for v in roles.values())
-    return Response({"status": "ok" if ok else "degraded", "roles": roles}, status_code=200 if ok else 503)
+    """200 once every role the topology needs has a healthy instance; else 503 saying what is missing
+    (`missing`, and as an OpenAI-style `error`)."""
+    ready = _readiness(state)
+    if ready.ok:
+        return Response({"status": "ok", "roles": ready.roles}, status_code=200)
+    return Response({"status": "degraded", "roles": ready.roles, "missing": ready.missing,
+                     **error_body(ready.message, "service_unavailable", None, "no_healthy_instance")},
+                    status_code=503)
 
 
 @get("/metrics", media_type="text/plain; version=0.0.4")
@@ -228,7 +244,7 @@ def create_app(config: Config) -> Litestar:
                 pipeline.ec_lookup.close()
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
-                   "upstream": upstream, "watch": watch,
+                   "upstream": upstream, "watch": watch, "settings": settings,
                    "cluster_headers": {"x-cluster-token": config.cluster.token} if config.cluster.token else {}})
     client = Router(path="/", route_handlers=[chat, completions, models],
                     guards=[bearer_guard(settings.api_keys, "API key")])

@@ -66,11 +66,12 @@ class HealthMonitor:
         if inst.state == PROBING:
             ok = await self._probe(inst)
         else:
-            ok = await self._get_ok(inst.url + "/health")
+            ok = await self._get_ok(inst, inst.url + "/health")
             if ok and inst.state == EJECTED:
                 ok = await self._probe(inst)
         if ok:
             inst.failures = 0
+            inst.last_error = ""
             if inst.state in (PROBING, EJECTED):
                 self._set(inst, ACTIVE, "admitted")
             return
@@ -82,24 +83,35 @@ class HealthMonitor:
             self.pools[inst.role].forget(inst.url)
 
     async def _probe(self, inst: Instance) -> bool:
+        url = inst.url + "/v1/models"
         try:
-            status, raw = await self.upstream.get(inst.url + "/v1/models", self.settings.health_timeout_s)
+            status, raw = await self.upstream.get(url, self.settings.health_timeout_s)
             if status != 200:
+                inst.last_error = f"GET {url}: {status} {raw[:200].decode(errors='replace')}".strip()
                 return False
             models = decode_json(raw).get("data", [])
-            inst.models = tuple(m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str))
+            cards = tuple(m for m in models if isinstance(m, dict) and isinstance(m.get("id"), str))
+            inst.cards = cards
+            inst.models = tuple(m["id"] for m in cards)
             roots = [m.get("root") for m in models if isinstance(m, dict) and isinstance(m.get("root"), str)]
             inst.root = roots[0] if roots else ""
             return True
-        except (UpstreamError, msgspec.DecodeError, AttributeError, TypeError):
+        except UpstreamError as exc:
+            inst.last_error = f"GET {url}: {exc.detail[:200] or exc.status}"
+            return False
+        except (msgspec.DecodeError, AttributeError, TypeError):
+            inst.last_error = f"GET {url}: not a model list"
             return False
 
-    async def _get_ok(self, url: str) -> bool:
+    async def _get_ok(self, inst: Instance, url: str) -> bool:
         try:
-            status, _ = await self.upstream.get(url, self.settings.health_timeout_s)
-            return status == 200
-        except UpstreamError:
+            status, raw = await self.upstream.get(url, self.settings.health_timeout_s)
+        except UpstreamError as exc:
+            inst.last_error = f"GET {url}: {exc.detail[:200] or exc.status}"
             return False
+        if status != 200:
+            inst.last_error = f"GET {url}: {status} {raw[:200].decode(errors='replace')}".strip()
+        return status == 200
 
     def _set(self, inst: Instance, state: str, why: str) -> None:
         self.pools[inst.role].set_state(inst, state)

@@ -33,6 +33,8 @@ class Instance:
     state: str = PROBING
     models: tuple[str, ...] = ()
     root: str = ""  # the model path it serves (vLLM's /v1/models `root`): part of every mm_hash
+    cards: tuple[dict, ...] = ()  # its /v1/models entries as it sent them (the proxy relays them)
+    last_error: str = ""  # why its last probe or health check failed ("" once it answered)
     active_requests: int = 0
     active_tokens: int = 0
     active_kv: int = 0
@@ -51,7 +53,8 @@ class Instance:
         return {"url": self.url, "role": self.role, "state": self.state, "source": self.source,
                 "instance_id": self.instance_id, "models": list(self.models),
                 "active_requests": self.active_requests, "active_tokens": self.active_tokens,
-                "active_kv": self.active_kv, "failures": self.failures, "served": self.served}
+                "active_kv": self.active_kv, "failures": self.failures, "served": self.served,
+                "last_error": self.last_error}
 
 
 class Lease:
@@ -215,3 +218,63 @@ class Pools:
 
     def in_flight(self) -> int:
         return sum(i.active_requests for i in self.all_instances())
+
+    def model_cards(self) -> list[dict]:
+        """The engines' own /v1/models entries (one per model id, the serving roles' first), as vLLM
+        lists them."""
+        seen: dict[str, dict] = {}
+        for role in ("decode", "pd", "prefill", "encoder"):
+            for inst in self.by_role[role].instances.values():
+                if inst.state in (ACTIVE, DRAINING):
+                    for card in inst.cards:
+                        seen.setdefault(card["id"], card)
+        return list(seen.values())
+
+    def readiness(self, encoders_required: bool = False) -> "Readiness":
+        """Whether this topology can serve: at least one healthy instance of every role it needs.
+
+        Needed: prefill and decode as soon as either is known (a P without a D, or the reverse,
+        serves nothing), pd when pd instances are known, encoders only when they are known and
+        the proxy may not fall back to local encoding (`encoders_required`). No engine known at
+        all: not servable."""
+        known = {r for r in ROLES if self.by_role[r].instances}
+        needed = [r for r in ("prefill", "decode") if known & {"prefill", "decode"}]
+        needed += ["pd"] if "pd" in known else []
+        needed += ["encoder"] if encoders_required and "encoder" in known else []
+        roles = {r: self.role_report(r) for r in ROLES if r in known or r in needed}
+        missing = [f"no healthy {r} instance: {self.role_problem(r)}" for r in needed if not self.has_active(r)]
+        if not needed:
+            missing.append("no engine instance registered yet (need a pd instance, or prefill and decode "
+                           "instances)")
+        return Readiness(not missing, roles, missing)
+
+    def role_report(self, role: str) -> dict:
+        insts = list(self.by_role[role].instances.values())
+        report = {"healthy": sum(i.state == ACTIVE for i in insts), "total": len(insts)}
+        for state in (PROBING, EJECTED, DRAINING):
+            if n := sum(i.state == state for i in insts):
+                report[state] = n
+        errors = [i.last_error for i in insts if i.last_error and i.state != ACTIVE]
+        if errors:
+            report["last_error"] = errors[-1]
+        return report
+
+    def role_problem(self, role: str) -> str:
+        """Why `role` has no active instance, in words: counts by state and the last error seen."""
+        insts = list(self.by_role[role].instances.values())
+        words = {PROBING: "not answering yet", EJECTED: "ejected", DRAINING: "draining"}
+        parts = [f"{len(insts)} registered"]
+        parts += [f"{n} {words[s]}" for s in (PROBING, EJECTED, DRAINING) if (n := sum(i.state == s for i in insts))]
+        errors = [i.last_error for i in insts if i.last_error]
+        return ", ".join(parts) + (f" (last error: {errors[-1][:300]})" if errors else "")
+
+
+@dataclass
+class Readiness:
+    ok: bool
+    roles: dict
+    missing: list[str]
+
+    @property
+    def message(self) -> str:
+        return "; ".join(self.missing)
