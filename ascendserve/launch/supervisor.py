@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
+import re
 import signal
 import ssl
 import subprocess
@@ -40,7 +42,8 @@ log = structlog.get_logger("ascendserve.supervisor")
 STABLE_AFTER_S = 60.0
 GROUP_GRACE_S = 5.0
 TAIL_LINES = 200  # kept per child (its current run)
-REPORT_LINES = 40  # printed when it is given up
+ERROR_LINES = 20  # error lines kept per child (its current run)
+REPORT_LINES = 20  # last lines printed when it is given up, after its error lines
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 DEFAULT_START_LIMIT = 3
@@ -98,12 +101,40 @@ class Child:
     failed_starts: int = 0  # runs in a row that exited before they were up
     last_probe: float = 0.0
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=ERROR_LINES))
     readers: list[threading.Thread] = field(default_factory=list)
 
 
 _SSL = ssl.create_default_context()
 _SSL.check_hostname = False
 _SSL.verify_mode = ssl.CERT_NONE  # a loopback liveness probe, not a trust decision
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def error_summary(line: str) -> str | None:
+    """The error a child's output line reports, in one line, or None: a JSON log record at level
+    error or critical (its event, and the last line of its traceback: the exception itself), a
+    console record at those levels, or the last line of a traceback written raw."""
+    if line.startswith("{"):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            if str(record.get("level", "")).lower() not in ("error", "critical", "exception"):
+                return None
+            summary = str(record.get("event", ""))
+            exc = record.get("exception")
+            if isinstance(exc, str) and exc.strip():
+                summary += ": " + exc.strip().splitlines()[-1]
+            return summary[:1000]
+    plain = _ANSI.sub("", line).strip()
+    if "[error" in plain or "[critical" in plain or _EXCEPTION_LINE.match(plain):
+        return plain[:1000]
+    return None
 
 
 def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -135,7 +166,10 @@ class Supervisor:
         """Copy one pipe of a child to `sink` line by line, keeping the last lines."""
         try:
             for raw in iter(stream.readline, b""):
-                child.tail.append(raw.decode(errors="replace").rstrip("\r\n"))
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                child.tail.append(line)
+                if (summary := error_summary(line)) is not None:
+                    child.errors.append(summary)
                 with self._write_lock:
                     try:
                         sink.write(raw)
@@ -147,6 +181,7 @@ class Supervisor:
 
     def _start(self, child: Child) -> None:
         child.tail.clear()
+        child.errors.clear()
         child.ready, child.last_probe = False, 0.0
         child.popen = subprocess.Popen(child.argv, env={**self.base_env, **child.env}, start_new_session=True,
                                        preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL,
@@ -221,8 +256,11 @@ class Supervisor:
                   failed_starts=child.failed_starts, start_limit=self.start_limit)
         lines = list(child.tail)[-REPORT_LINES:]
         report = [f"ascendserve: {child.name} failed to start {child.failed_starts} time(s) in a row "
-                  f"(last exit code {code}); giving up and stopping the others.",
-                  f"Last {len(lines)} output line(s) of {child.name}:" if lines else f"{child.name} wrote nothing."]
+                  f"(last exit code {code}); giving up and stopping the others."]
+        if child.errors:
+            report.append(f"Errors of its last run ({child.name}):")
+            report += [f"  {child.name} ! {line}" for line in child.errors]
+        report.append(f"Last {len(lines)} output line(s) of {child.name}:" if lines else f"{child.name} wrote nothing.")
         report += [f"  {child.name} | {line}" for line in lines]
         with self._write_lock:
             try:

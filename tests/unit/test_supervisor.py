@@ -71,8 +71,11 @@ def _alive(child: Child) -> bool:
 
 def test_a_child_that_never_starts_is_given_up_with_its_last_lines(tmp_path):
     crasher = Child("engine", [sys.executable, "-c",
-                               "import sys; print('loading weights', flush=True); "
-                               "[print(f'noise {i}', file=sys.stderr) for i in range(100)]; "
+                               "import json, sys; print('loading weights', flush=True); "
+                               "print(json.dumps({'event': 'WorkerProc failed to start.', 'level': 'error', "
+                               "'exception': 'Traceback ...\\nRuntimeError: Cannot find any model weights'}), "
+                               "file=sys.stderr); "
+                               "[print(f'noise {i}', file=sys.stderr) for i in range(300)]; "
                                "print('RuntimeError: no safetensors in /models/x', file=sys.stderr); sys.exit(3)"],
                     ready_url=str(tmp_path / "never"))
     sleeper = Child("metaserver", [sys.executable, "-c", "import time; time.sleep(120)"])
@@ -86,7 +89,11 @@ def test_a_child_that_never_starts_is_given_up_with_its_last_lines(tmp_path):
         report = err.text().split("giving up", 1)[1]
         assert "engine failed to start" in err.text()
         assert "engine | RuntimeError: no safetensors in /models/x" in report
-        assert "engine | noise 99" in report and "engine | noise 0\n" not in report  # the last lines only
+        assert "engine | noise 299" in report and "engine | noise 0\n" not in report  # the last lines only
+        # the root cause, long scrolled out of the last lines, is kept among the error lines
+        assert "engine ! WorkerProc failed to start.: RuntimeError: Cannot find any model weights" in report
+        assert "engine ! RuntimeError: no safetensors in /models/x" in report
+        assert "engine ! noise" not in report
         assert out.text().count("loading weights") == 3  # each run's stdout was forwarded
         assert _alive(sleeper)  # stop_all's job, not poll_once's
     finally:
