@@ -8,11 +8,16 @@ file with a Python command line instead of ours:
   resource tracker), so it must come before anything else;
 - `-m MODULE`: vLLM inspects a model's architecture in a subprocess
   (`sys.executable -m vllm.model_executor.models.registry`);
-- `-c CODE`: for anything else that runs a snippet the same way.
-Everything else is ascendserve's own command line.
+- `-c CODE`: for anything else that runs a snippet the same way (torch's
+  inductor probes the CPU's vector ISA with `sys.executable -c`);
+- `SCRIPT.py ...`: inductor's compile-worker pool runs
+  `sys.executable .../torch/_inductor/compile_worker/__main__.py --workers=N ...`.
+Everything else is ascendserve's own command line (none of its commands is a
+`.py` path).
 """
 
 import multiprocessing
+import os
 import re
 import runpy
 import sys
@@ -24,12 +29,14 @@ _WITH_VALUE = ("-W", "-X")
 
 
 def _python_command(argv: list[str]) -> tuple[str, str, list[str]] | None:
-    """('-m' | '-c', target, rest) when argv is a Python command line, else None."""
+    """('-m' | '-c' | 'script', target, rest) when argv is a Python command line, else None."""
     i = 0
     while i < len(argv) and (_SWITCHES.match(argv[i]) or argv[i] in _WITH_VALUE):
         i += 2 if argv[i] in _WITH_VALUE else 1
     if i + 1 < len(argv) and argv[i] in ("-m", "-c"):
         return argv[i], argv[i + 1], argv[i + 2:]
+    if i < len(argv) and argv[i].endswith(".py") and os.path.isfile(argv[i]):
+        return "script", argv[i], argv[i + 1:]
     return None
 
 
@@ -45,6 +52,10 @@ def main() -> None:
     if kind == "-m":
         sys.argv = [target, *rest]  # runpy replaces argv[0] with the module's path
         runpy.run_module(target, run_name="__main__", alter_sys=True)
+    elif kind == "script":
+        sys.argv = [target, *rest]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python SCRIPT` does
+        runpy.run_path(target, run_name="__main__")
     else:
         sys.argv = ["-c", *rest]
         exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
