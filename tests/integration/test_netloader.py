@@ -7,7 +7,11 @@
   or, with fallback = fail, does not start;
 - scale-out: a 1P1D cluster serves a steady stream through the proxy while a
   second decode joins with `--netloader-source auto` (seeds from the
-  metaserver); no request fails, and the proxy routes to the newcomer.
+  metaserver); no request fails, and the proxy routes to the newcomer; then the
+  first decode stops and the newcomer alone serves users' traffic.
+Every joined instance gets users' traffic (tests/traffic.py: repeats within a
+latency bound, shared prefixes, chat, streams; for VL the same image again and
+images behind a shared prefix), and one joins with no tuning flag at all.
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_epd import chat_ids, data_url, messages, png_bytes
+from tests.integration.test_epd import (chat_ids, check_same_image_repeated, data_url, messages, png_bytes,
+                                        shared_prefix_image_chats)
 from tests.procs import ENGINE_ARGS, PYTHON, Proc, ascendserve, completion_ids, control, free_port, start_all, wait_for
+from tests.traffic import chat as timed_chat
+from tests.traffic import check_user_traffic
 
 pytestmark = pytest.mark.integration
 TOKEN = "netloader-test-token"
@@ -64,6 +71,7 @@ def test_text_joiner_without_weights_equals_plain_vllm(text_model, text_oracle, 
             assert completion_ids(joiner.url, str(text_model), prompt) == \
                 completion_ids(text_oracle.url, str(text_model), prompt)
         assert f"weights received" in joiner.log_text() and seed.seed in joiner.log_text()
+        check_user_traffic(joiner.url, text_oracle.url, str(text_model), seed=21)
         described = httpx.get(seed.url + "/v1/seed", timeout=5, headers={"authorization": f"Bearer {TOKEN}"}).json()
         assert described["transfers_served"] == 1 and described["tensors"] > 0
     finally:
@@ -86,6 +94,16 @@ def test_vl_joiner_from_a_running_instance_equals_it(vl_model, tmp_path):
                  [{"role": "user", "content": "Say something about the sea."}]]
         for msgs in cases:
             assert chat_ids(joiner.url, str(vl_model), msgs) == chat_ids(source.url, str(vl_model), msgs)
+        # users' traffic on the joiner, the seed its oracle (same flags, weights from disk)
+        model = str(vl_model)
+        check_same_image_repeated(joiner, source.url, model, messages(data_url(png_bytes(120, 90, 42))))
+        images = [data_url(png_bytes(96, 72, 43 + i)) for i in range(2)]
+        for name, chats in shared_prefix_image_chats(44, images).items():
+            for msgs in chats:
+                assert timed_chat(joiner.url, model, msgs)[0] == timed_chat(source.url, model, msgs)[0], name
+        streamed = messages(data_url(png_bytes(104, 80, 46)), text="Stream your answer.")
+        assert timed_chat(joiner.url, model, streamed, stream=True)[0] == timed_chat(source.url, model, streamed)[0]
+        check_user_traffic(joiner.url, source.url, model, seed=47)
     finally:
         joiner.stop()
         source.stop()
@@ -168,6 +186,14 @@ def test_scale_out_under_load_joins_by_auto_with_no_failed_request(text_model, t
         decode2.start().wait_ready(timeout=420)
         wait_for(lambda: _served(decode2) >= 2, 120, "the proxy never routed to the new decode instance")
         time.sleep(1.0)
+        stop.set()
+        worker.join(150)
+        # the first decode goes: users' traffic now reaches the joined instance only
+        decode1.stop()
+        wait_for(lambda: _active_decodes(proxy) == {decode2.url}, 90, "the proxy kept the stopped decode")
+        served = _served(decode2)
+        users = check_user_traffic(proxy.url, text_oracle.url, str(text_model), seed=31)
+        assert _served(decode2) == served + users, "the joined decode did not serve the users' requests"
     finally:
         stop.set()
         worker.join(150)
@@ -176,3 +202,27 @@ def test_scale_out_under_load_joins_by_auto_with_no_failed_request(text_model, t
     assert results["failed"] == [] and results["ok"] >= 5, results
     log = decode2.log_text()
     assert "weights received" in log and "loading the weights from disk instead" not in log
+
+
+def _active_decodes(proxy: Proc) -> set[str]:
+    listed = httpx.get(proxy.url + "/instances", timeout=5, headers={"authorization": f"Bearer {TOKEN}"}).json()
+    return {i["url"] for i in listed["instances"] if i["state"] == "active" and i.get("role") == "decode"}
+
+
+def test_untuned_joiner_serves_user_traffic(text_model, untuned_text_oracle, tmp_path):
+    """A joiner started as a user starts one: no dtype, no eager, no memory setting (vLLM
+    compiles the weights it received); only the flags that make it a joiner."""
+    seed = elastic_server(text_model, tmp_path).start()
+    joiner = ascendserve("pd", weightless_copy(text_model, tmp_path / "joiner"), tmp_path,
+                         "--served-model-name", str(text_model), "--netloader-source", "SEED", *AUTH,
+                         name="joiner-untuned", tuned=False)
+    try:
+        seed.wait_ready()
+        joiner.argv[joiner.argv.index("SEED")] = seed.seed
+        start_all(joiner)
+        assert "weights received" in joiner.log_text() and "loading the weights from disk instead" not in \
+            joiner.log_text()
+        check_user_traffic(joiner.url, untuned_text_oracle.url, str(text_model), seed=51)
+    finally:
+        joiner.stop()
+        seed.stop()

@@ -8,6 +8,10 @@ so a consumer that silently recomputed everything could not pass.
 Push mode needs a layerwise KV connector (the connectors issue); its proxy
 and metaserver side is covered over stubs in test_proxy_stubs.py. Topologies
 with an encoder (1E1PD, 1E1P1D) are in test_epd.py, once per EC connector.
+Both proxies also get users' traffic (tests/traffic.py): repeats within a latency
+bound, shared prefixes, chat, streams. The same topologies with no tuning flag:
+the pd role and `all` 1P1D (pull, push) in test_defaults.py, P and D of the pull
+connector in test_kv_pull.py.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import json
 import httpx
 import pytest
 
-from tests.procs import ascendserve, control, start_all
+from tests.procs import ascendserve, control, start_all, wait_for
+from tests.traffic import check_user_traffic
 
 pytestmark = pytest.mark.integration
 
@@ -132,3 +137,25 @@ def test_mono_through_proxy_found_via_registry(text_cluster, text_model):
     assert stream_text(c["proxy_mono"].url, "/v1/completions", body) == \
         stream_text(c["oracle"].url, "/v1/completions", body)
     assert '"path": "/v1/completions"' in c["pd"].log_text()
+
+
+def test_1p1d_through_proxy_serves_user_traffic(text_cluster, text_model):
+    """Repeats, shared prefixes, chat and streams: every request's KV comes from P's files."""
+    c = text_cluster
+    hits = c["decode"].log_text().count("External Cache Hit!")
+    sent = check_user_traffic(c["proxy_1p1d"].url, c["oracle"].url, str(text_model), seed=11)
+    assert c["decode"].log_text().count("External Cache Hit!") == hits + sent, "a request skipped the P hop"
+
+
+def test_mono_through_proxy_serves_user_traffic(text_cluster, text_model):
+    c = text_cluster
+    served = _generations(c["pd"])
+    sent = check_user_traffic(c["proxy_mono"].url, c["oracle"].url, str(text_model), seed=12)
+    # a stream's access-log line comes once its ASGI call returns, which may be after the client saw [DONE]
+    wait_for(lambda: _generations(c["pd"]) >= served + sent, 10, "the registry's pd did not serve them")
+    assert _generations(c["pd"]) == served + sent
+
+
+def _generations(proc) -> int:
+    log = proc.log_text()
+    return log.count('"path": "/v1/completions"') + log.count('"path": "/v1/chat/completions"')
