@@ -2,8 +2,12 @@
 
 The session fixture tests $ASCENDSERVE_RELEASE_TARBALL when set, else dist/'s
 tarball when it was built from this very commit with a clean tree (CI may
-build it first), else runs ./build.sh into a temp dir (~6 min on 2 cores). Every run has a clean environment (env -i
-style): no virtualenv on PATH, no PYTHONPATH, a fresh HOME, another cwd.
+build it first), else runs ./build.sh into a temp dir (~6 min on 2 cores cold,
+under a minute when its bundle cache matches). Every run has a clean environment
+(env -i style): no virtualenv on PATH, no PYTHONPATH, a fresh HOME, another cwd.
+The 1P1D test runs the bundle as a user would: their own model, vLLM's default
+mode (torch.compile on), no tuning flags, and compares its greedy tokens with
+plain vLLM's from the build's environment.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pytest
 
 from ascendserve import __version__
 from ascendserve.launch.children import kill_group
-from tests.procs import REPO, free_port, wait_for
+from tests.procs import PYTHON, REPO, Proc, completion_ids, free_port, wait_for
 
 pytestmark = pytest.mark.integration
 BUILD_TIMEOUT_S = 1800
@@ -62,12 +66,19 @@ def release(tmp_path_factory) -> Path:
     return _unpack(tarball, tmp_path_factory.mktemp("release") / "unpacked")
 
 
+def _clean_env(base: Path) -> dict:
+    """A user's environment: no venv, no tuning (OMP_NUM_THREADS=1: the test machine's rule
+    for every engine), HOME, TMPDIR and a working directory of its own under base: compile caches
+    (vLLM's and, inside it, inductor's under HOME) start empty, as on a new host."""
+    for d in ("home", "cwd", "tmp"):
+        (base / d).mkdir(exist_ok=True)
+    return {"PATH": "/usr/bin:/bin", "HOME": str(base / "home"), "TMPDIR": str(base / "tmp"), "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture
 def clean_env(tmp_path) -> dict:
-    (tmp_path / "home").mkdir()
-    (tmp_path / "cwd").mkdir()
-    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "LANG": "C.UTF-8",
-            "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return _clean_env(tmp_path)
 
 
 def _run(release: Path, env: dict, cwd: Path, *args: str, timeout: float = 60) -> tuple[str, float]:
@@ -150,6 +161,87 @@ def test_all_mono_serves_from_the_bundle_and_stops_clean(release, clean_env, tmp
         wait_for(lambda: not _group_alive(proc.pid), 30, "processes left in the process group")
         print(f"bundle: --role all mono healthy after {ready_s:.1f} s")
     finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_group(proc.pid)
+        log.close()
+
+
+# --- as a user runs it: 1P1D, their model, compilation on, no tuning flags -----------------
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
+CHAT = [{"role": "user", "content": "Say hello in three words."}]
+
+
+def _answers(url: str, model: str) -> dict:
+    """Greedy token ids of each prompt, the first one again (a prefix-cache hit), and a chat reply."""
+    out = {prompt: completion_ids(url, model, prompt, max_tokens=12) for prompt in PROMPTS}
+    out["again: " + PROMPTS[0]] = completion_ids(url, model, PROMPTS[0], max_tokens=12)
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    out["chat"] = choice.get("token_ids") or choice["message"]["content"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def user_model(release, tmp_path_factory) -> Path:
+    """A tiny model of the user's own (not the demo's), written by the bundle's `model tiny`."""
+    base = tmp_path_factory.mktemp("user-model")
+    out = base / "models" / "tiny-qwen"
+    _run(release, _clean_env(base), base / "cwd", "model", "tiny", "--out", str(out), "--seed", "7", timeout=180)
+    assert (out / "config.json").is_file()
+    return out
+
+
+def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, tmp_path):
+    env = _clean_env(tmp_path)
+    cwd = tmp_path / "cwd"
+    model = str(user_model)
+    # the reference: plain vLLM from the environment the bundle was frozen from, default mode too
+    # (tests/procs' ENGINE_ENV: VLLM_CPU_KVCACHE_SPACE sizes its KV, which outputs do not depend on)
+    ref_port = free_port()
+    ref = Proc("vllm-reference", [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                                  "--host", "127.0.0.1", "--port", str(ref_port)],
+               ref_port, tmp_path / "vllm-reference.log", {})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    run_dir = tmp_path / "run"
+    log_path = tmp_path / "all.log"
+    log = open(log_path, "w")
+    start = time.monotonic()
+    proc = subprocess.Popen([str(release / "bin" / "ascendserve"), "--role", "all", "--topology", "1P1D",
+                             "--model", model, "--port", str(port), "--runtime-dir", str(run_dir)],
+                            env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ref.start()
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, log_path.read_text()[-6000:]
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 600, "the bundle's 1P1D cluster never became healthy")
+        ready_s = time.monotonic() - start
+        ours = _answers(url, model)
+        ref.wait_ready(600)
+        expected = _answers(ref.url, model)
+        assert ours == expected
+        assert all(len(ids) == 12 for key, ids in ours.items() if key != "chat" and isinstance(ids, list))
+        text = log_path.read_text()
+        assert "No such file or directory" not in text, text[-6000:]
+        # compilation was on: vLLM saved the compiled model, and inductor's C++ kernels, built here
+        # with the host's g++ and the bundle's headers, in its cache under the fresh HOME
+        compiled = tmp_path / "home" / ".cache" / "vllm" / "torch_compile_cache"
+        assert list(compiled.glob("**/inductor_cache/**/*.so")), sorted(map(str, compiled.rglob("*")))[:40]
+        assert list(cwd.iterdir()) == []  # nothing resolved against, or written into, the working directory
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        print(f"bundle: --role all 1P1D (compiled) healthy after {ready_s:.1f} s")
+    finally:
+        ref.stop()
         if proc.poll() is None:
             proc.kill()
         kill_group(proc.pid)

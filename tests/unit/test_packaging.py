@@ -238,3 +238,60 @@ def test_uninstall_keeps_etc(tmp_path):
     assert not (wants / "ascendserve@proxy.service").is_symlink()
     assert (root / "etc" / "ascendserve" / "proxy.toml").is_file()
     assert (root / "etc" / "ascendserve" / "proxy.env").read_text() == "ASCENDSERVE_PORT=9000\n"
+
+
+# --- the frozen entry point and the build cache key ---------------------------
+
+def _load(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_packaging_{name}", REPO / "packaging" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_entry_tells_python_command_lines_from_ours(tmp_path):
+    command = _load("entry")._python_command
+    script = tmp_path / "__main__.py"
+    script.write_text("")
+    assert command(["-m", "vllm.model_executor.models.registry"]) == ("-m", "vllm.model_executor.models.registry", [])
+    assert command(["-B", "-S", "-I", "-c", "print(1)", "x"]) == ("-c", "print(1)", ["x"])
+    assert command(["-W", "ignore", "-m", "m", "--a"]) == ("-m", "m", ["--a"])
+    # inductor's compile-worker pool: sys.executable .../compile_worker/__main__.py --workers=2 ...
+    assert command([str(script), "--workers=2"]) == ("script", str(script), ["--workers=2"])
+    for ours in (["--role", "pd"], ["version"], ["model", "tiny", "--out", "x.py"], [], [str(tmp_path / "no.py")]):
+        assert command(ours) is None, ours
+
+
+def _repo(tmp_path: Path, body: str) -> Path:
+    for pkg in ("ascendserve", "roles"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "ascendserve" / "mod.py").write_text(body)
+    return tmp_path
+
+
+def test_build_key_follows_imports_not_our_code(tmp_path):
+    key = _load("build_key")
+
+    def imports(body: str) -> list[str]:
+        return key.external_imports(_repo(tmp_path, body))
+
+    base = imports("import json\nfrom ascendserve import cli\nfrom . import x\n\ndef f():\n    return 1\n")
+    assert base == ["json"]  # ours and relative imports are not dependencies
+    assert imports("import json\n\ndef f():\n    return 2  # edited\n") == base
+    assert imports("import json\n\ndef f():\n    import csv\n") == ["csv", "json"]  # function-level too
+    # a submodule named in `from X import Y` is one (PyInstaller follows it); a function is not
+    assert imports("from json import decoder, loads\n") == ["json", "json.decoder"]
+
+
+def test_build_key_ignores_ascendserve_itself_and_is_stable(tmp_path):
+    key = _load("build_key")
+    repo = _repo(tmp_path, "import json\n")
+    assert not any(d.startswith("ascendserve==") for d in key.distributions())
+    first = key.inputs(repo, "1", "0.1.0", "cpu")
+    assert key.inputs(repo, "1", "0.1.0", "cpu") == first
+    assert key.inputs(repo, "2", "0.1.0", "cpu") != first  # the bundle format is in the key
+    (repo / "ascendserve" / "mod.py").write_text("import json\nX = 1\n")
+    assert key.inputs(repo, "1", "0.1.0", "cpu") == first
