@@ -9,12 +9,17 @@ and the tests prove the hand-off happened: the encoder counts its requests
 (our ascendserve:ec_hits_total; for vLLM's example connector, its log).
 After each cluster stops, nothing may be left: no EC region in /dev/shm,
 and no entry in memcached once the killed encoder's entries have expired.
+Users' traffic on every cluster: the same image again and again (each repeat within
+twice its first run), two requests sharing a system or text prefix with different
+images, chat with an image streamed, and the text traffic of tests/traffic.py; and
+one 1E1P1D cluster started with no tuning flag at all.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import re
 import struct
@@ -29,6 +34,9 @@ import pytest
 from ascendserve.connectors.ec import memcached
 from ascendserve.launch.children import kill_group
 from tests.procs import ascendserve, control, free_port, plain_vllm, start_all, wait_for
+from tests.traffic import BLOCK, check_user_traffic, repeat_bound
+from tests.traffic import chat as timed_chat
+from tests.traffic import text as filler
 
 pytestmark = pytest.mark.integration
 
@@ -233,6 +241,67 @@ def needs_p_and_d(c) -> None:
         pytest.skip(f"the {c['connector']} cluster is 1E1PD only")
 
 
+# ---- no tuning flags ------------------------------------------------------------------------
+# First in the file: pytest runs it before the connectors' module-scoped clusters start (beside
+# one of them and its oracle, 4 more engines would not fit in memory), and stops it right after.
+@pytest.fixture
+def untuned_epd(vl_model, tmp_path_factory):
+    """1E1P1D and plain vLLM as a user starts them: no dtype, no eager, no memory setting."""
+    logs = tmp_path_factory.mktemp("epd-untuned")
+    before = ec_segments()
+    # the settings that make the topology: our shm EC connector (a region of its own, so that it
+    # cannot meet another cluster's on this host) and pull KV; nothing that tunes an engine
+    ec = ["--ec-connector", "shm", "--ec-shm-name", f"asf-ec-untuned-{os.getpid()}"]
+    oracle = plain_vllm(vl_model, logs, name="vllm-vl-untuned", tuned=False)
+    encoder = ascendserve("encoder", vl_model, logs, *ec, name="encoder-untuned", tuned=False)
+    prefill = ascendserve("prefill", vl_model, logs, *ec, "--ec-enabled", "--kv-connector", "pull",
+                          name="prefill-untuned", tuned=False)
+    decode = ascendserve("decode", vl_model, logs, "--kv-connector", "pull", name="decode-untuned", tuned=False)
+    procs = [oracle, encoder, prefill, decode]
+    try:
+        start_all(*procs)
+        proxy = control("proxy", logs, "--encoder", f"127.0.0.1:{encoder.port}", "--prefill",
+                        f"127.0.0.1:{prefill.port}", "--decode", f"127.0.0.1:{decode.port}", *ec,
+                        name="proxy-untuned")
+        procs.append(proxy)
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 120, "proxy-untuned unhealthy")
+        yield {"connector": "shm", "encoder": encoder, "pd": None, "prefill": prefill, "decode": decode,
+               "proxy_1e1pd": None, "proxy_1e1p1d": proxy, "oracle": oracle, "model": str(vl_model), "seed": 9000}
+    finally:
+        for p in procs:
+            p.stop()
+        left = ec_segments() - before
+        assert not left, f"EC shared memory left in /dev/shm after every instance stopped: {left}"
+
+
+def test_1e1p1d_with_no_tuning_flags_serves_users(untuned_epd):
+    c, model, seed = untuned_epd, untuned_epd["model"], untuned_epd["seed"]
+    proxy, oracle = c["proxy_1e1p1d"], c["oracle"]
+    for msgs in (messages(data_url(png_bytes(112, 84, seed + 1))),
+                 messages(data_url(png_bytes(160, 120, seed + 2)), data_url(png_bytes(96, 128, seed + 3, "RGBA")),
+                          text="Compare the two pictures.")):
+        served, hits = encoder_served(c["encoder"]), loaded(c["prefill"], "shm")
+        assert timed_chat(proxy.url, model, msgs)[0] == timed_chat(oracle.url, model, msgs)[0]
+        items = len(msgs[0]["content"]) - 1
+        assert encoder_served(c["encoder"]) == served + 1, "the encoder hop did not happen"
+        assert loaded(c["prefill"], "shm") == hits + items, "P encoded instead of loading the encoder's output"
+    check_same_image_repeated(proxy, oracle.url, model, messages(data_url(png_bytes(120, 90, seed + 4))))
+    images = [data_url(png_bytes(96, 72, seed + 5 + i)) for i in range(2)]
+    for name, chats in shared_prefix_image_chats(seed + 10, images).items():
+        for msgs in chats:
+            assert timed_chat(proxy.url, model, msgs)[0] == timed_chat(oracle.url, model, msgs)[0], name
+    streamed = messages(data_url(png_bytes(104, 80, seed + 7)), text="Stream your answer.")
+    assert timed_chat(proxy.url, model, streamed, stream=True)[0] == timed_chat(oracle.url, model, streamed)[0]
+    served = encoder_served(c["encoder"])
+    check_user_traffic(proxy.url, oracle.url, model, seed=seed)
+    assert encoder_served(c["encoder"]) == served
+    for proc in (c["encoder"], c["prefill"], c["decode"]):
+        argv = next(json.loads(line)["vllm_args"] for line in proc.log_text().splitlines()
+                    if '"starting vLLM"' in line)
+        assert "--enforce-eager" not in argv, proc.name
+
+
 # ---- correctness --------------------------------------------------------------------
 def test_1e1pd_equals_plain_vllm(epd):
     c, model, seed = epd, epd["model"], epd["seed"]
@@ -319,6 +388,85 @@ def test_store_restarted_empty(epd):
         assert loaded(c["prefill"], c["connector"]) == hits + 1
 
 
+# ---- users' traffic ------------------------------------------------------------------------
+def proxies(c) -> list:
+    return [p for p in (c["proxy_1e1pd"], c["proxy_1e1p1d"]) if p is not None]
+
+
+def consumer(c, proxy):
+    return c["pd"] if proxy is c["proxy_1e1pd"] else c["prefill"]
+
+
+def check_same_image_repeated(proxy, oracle_url: str, model: str, msgs: list, times: int = 3) -> list[float]:
+    """The same chat `times` times in a row: each equals the oracle's and finishes within
+    the bound of the first (a stalled EC or KV hand-off that falls back leaves the tokens right)."""
+    expected, _ = timed_chat(oracle_url, model, msgs)
+    seconds = []
+    for i in range(times):
+        got, s = timed_chat(proxy.url, model, msgs)
+        assert got == expected, f"{proxy.name}: repeat {i + 1} of the same image"
+        seconds.append(s)
+    for i, s in enumerate(seconds[1:], 2):
+        assert s <= repeat_bound(seconds[0]), f"{proxy.name}: repeat {i} took {s:.2f} s: {seconds}"
+    return seconds
+
+
+def shared_prefix_image_chats(seed: int, images: list[str]) -> dict[str, list[list]]:
+    """Chats that share a system prompt, or a text prefix before the image, and differ in the image."""
+    system = {"role": "system", "content": filler(seed, 2 * BLOCK)}
+    lead = filler(seed + 1, BLOCK + 30)
+    return {
+        "system prompt": [[system, *messages(image, text="What is in this picture?")] for image in images],
+        "text before the image": [[{"role": "user", "content": [{"type": "text", "text": lead}, image_part(image),
+                                                                 {"type": "text", "text": "And this one?"}]}]
+                                  for image in images],
+    }
+
+
+def test_same_image_again_and_again(epd):
+    c, model, seed = epd, epd["model"], epd["seed"]
+    for k, proxy in enumerate(proxies(c)):
+        msgs = messages(data_url(png_bytes(120, 90, seed + 30 + k)), text="Tell me about this picture.")
+        served, hits = encoder_served(c["encoder"]), loaded(consumer(c, proxy), c["connector"])
+        check_same_image_repeated(proxy, c["oracle"].url, model, msgs)
+        assert loaded(consumer(c, proxy), c["connector"]) >= hits + 1, "the consumer never loaded the item"
+        # one encoding; the repeats find the item in the store (or hit the prefix cache)
+        assert encoder_served(c["encoder"]) == served + 1, f"{proxy.name}: the same image encoded again"
+
+
+def test_shared_prefixes_with_different_images(epd):
+    c, model, seed = epd, epd["model"], epd["seed"]
+    for k, proxy in enumerate(proxies(c)):
+        images = [data_url(png_bytes(96, 72, seed + 40 + 2 * k + i)) for i in range(2)]
+        for name, chats in shared_prefix_image_chats(seed + 50 + 10 * k, images).items():
+            for msgs in chats:
+                served, hits = encoder_served(c["encoder"]), loaded(consumer(c, proxy), c["connector"])
+                assert timed_chat(proxy.url, model, msgs)[0] == timed_chat(c["oracle"].url, model, msgs)[0], \
+                    f"{proxy.name}, shared {name}"
+                if name == "system prompt":  # each image is new here: encoded once, loaded once
+                    assert encoder_served(c["encoder"]) == served + 1, f"{proxy.name}, shared {name}"
+                    assert loaded(consumer(c, proxy), c["connector"]) == hits + 1, f"{proxy.name}, shared {name}"
+
+
+def test_chat_with_an_image_streamed(epd):
+    c, model, seed = epd, epd["model"], epd["seed"]
+    for k, proxy in enumerate(proxies(c)):
+        for msgs in (messages(data_url(png_bytes(104, 80, seed + 70 + k)), text="Stream your answer."),
+                     messages(data_url(png_bytes(64, 96, seed + 72 + k)), data_url(png_bytes(80, 64, seed + 74 + k)),
+                              text="Two pictures, streamed.")):
+            expected, _ = timed_chat(c["oracle"].url, model, msgs)
+            assert timed_chat(proxy.url, model, msgs, stream=True)[0] == expected, f"{proxy.name}, streamed"
+
+
+def test_text_traffic_through_the_encoder_proxies(epd):
+    """Text only: repeats, shared prefixes, chat, streams; none of it goes to the encoder."""
+    c = epd
+    for k, proxy in enumerate(proxies(c)):
+        served = encoder_served(c["encoder"])
+        check_user_traffic(proxy.url, c["oracle"].url, c["model"], seed=c["seed"] + 80 + k)
+        assert encoder_served(c["encoder"]) == served, f"{proxy.name} sent text-only requests to the encoder"
+
+
 # ---- bad input ------------------------------------------------------------------------
 def _png_header_only(width: int, height: int) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
@@ -362,3 +510,4 @@ def test_encoder_sigkill_falls_back_to_local_encoding(epd):
         assert chat_ids(proxy.url, model, msgs) == chat_ids(c["oracle"].url, model, msgs)
         assert metric(proxy, "ascendserve_proxy_encoder_fallbacks_total") >= 1
         assert consumer.popen.poll() is None
+
