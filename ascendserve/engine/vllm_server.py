@@ -363,10 +363,7 @@ def _run(argv: list[str]) -> int:
         return _run_vllm(argv, stop)
     except StartupInterrupted as exc:
         get_logger("ascendserve.engine").info("stopped during start-up", signal=signal.Signals(exc.signum).name)
-        stop.reap(grace_s=1.0)
         return 0
-    finally:
-        stop.disarm()
 
 
 def _run_vllm(argv: list[str], stop: "_StartupStop") -> int:
@@ -406,7 +403,8 @@ def _run_vllm(argv: list[str], stop: "_StartupStop") -> int:
     return 0
 
 
-STARTUP_STOP_S = 5.5  # SIGTERM during start-up: vLLM's own teardown gets this long, then its processes are killed
+STARTUP_GRACE_S = 1.0  # SIGTERM during start-up: vLLM's processes get this long after their SIGTERM, then SIGKILL
+STARTUP_EXIT_S = 6.0  # and this process exits this long after the signal, whatever it is stuck in
 
 
 class StartupInterrupted(SystemExit):
@@ -429,23 +427,22 @@ class _StartupStop:
     """This process's SIGTERM/SIGINT handler until uvicorn installs its own (`_run_server`).
 
     The first signal raises StartupInterrupted in the main thread, so vLLM's start-up unwinds
-    through its cleanup (engine core terminated, 5 s grace, then killed); a watchdog then gives
-    it STARTUP_STOP_S: past that, every process this one started (but multiprocessing's
-    resource tracker, which unlinks the shared memory the killed leave) is SIGKILLed and this
-    process exits, whatever its main thread is stuck in."""
+    through its cleanup and ours (heartbeat, shared-memory ledger). A start has nothing to drain,
+    and vLLM's engine core and workers, busy loading or compiling, were seen to take more than
+    5 s over a SIGTERM (vLLM's own grace before SIGKILL): a watchdog sends them SIGTERM at once
+    and SIGKILL STARTUP_GRACE_S later (never to multiprocessing's resource tracker: it unlinks
+    the shared memory the killed leave when this process exits), and ends this process
+    STARTUP_EXIT_S after the signal if it is still there (an interpreter exit waiting on some
+    thread)."""
 
-    def __init__(self, deadline_s: float = STARTUP_STOP_S):
-        self.deadline_s = deadline_s
+    def __init__(self, grace_s: float = STARTUP_GRACE_S, exit_s: float = STARTUP_EXIT_S):
+        self.grace_s, self.exit_s = grace_s, exit_s
         self.signum: int | None = None
-        self._done = threading.Event()
         self.install()
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
-
-    def disarm(self) -> None:
-        self._done.set()
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
@@ -455,20 +452,23 @@ class _StartupStop:
         raise StartupInterrupted(signum)
 
     def _watchdog(self) -> None:
-        if self._done.wait(self.deadline_s):
-            return
-        log = get_logger("ascendserve.engine")
-        log.warning("vLLM did not stop within the start-up stop deadline; killing its processes",
-                    deadline_s=self.deadline_s)
-        self.reap(grace_s=0.0)
-        if not self._done.wait(2.0):
-            log.error("still stopping after the deadline; exiting now")
-            os._exit(0)
+        import time
+
+        started = time.monotonic()
+        killed = self.reap(self.grace_s)
+        if killed:
+            get_logger("ascendserve.engine").info("vLLM processes killed after the start-up stop grace",
+                                                  pids=killed, grace_s=self.grace_s)
+        time.sleep(max(0.0, self.exit_s - (time.monotonic() - started)))
+        get_logger("ascendserve.engine").warning("still stopping after the start-up stop deadline; exiting now",
+                                                 deadline_s=self.exit_s)
+        self.reap(0.0)
+        os._exit(0)  # a daemon thread: this runs only while the process is still there
 
     @staticmethod
-    def reap(grace_s: float = 2.0) -> list[int]:
-        """Terminate this process's descendants (not the resource tracker), SIGKILL what is left after
-        `grace_s`. Returns the pids killed."""
+    def reap(grace_s: float) -> list[int]:
+        """SIGTERM this process's descendants (not the resource tracker), SIGKILL what is left after
+        `grace_s` (at once for 0). Returns the pids that had to be killed."""
         import psutil
 
         procs = [p for p in psutil.Process().children(recursive=True) if _still_running(p)]
@@ -477,7 +477,7 @@ class _StartupStop:
                 p.terminate() if grace_s else p.kill()
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=grace_s or 1.0)
+        _, alive = psutil.wait_procs(procs, timeout=grace_s) if grace_s else ([], procs)
         for p in alive:
             try:
                 p.kill()

@@ -1,0 +1,172 @@
+"""Start-up failures and stops: an engine role and `all` honour SIGTERM while vLLM starts; `all`
+gives up on an engine that cannot start instead of restarting it for ever."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.procs import ENGINE_ENV, free_port, free_port_run
+
+pytestmark = pytest.mark.integration
+STOP_WITHIN_S = 10.0
+
+
+def _shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(("psm_", "sem.mp-"))}
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _wait_for_vllm_engine(pid: int, timeout_s: float = 180.0) -> list[psutil.Process]:
+    """Block until vLLM's engine core runs under `pid` (the start is then loading, compiling...)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tree = _tree(pid)
+        if any("EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") for p in _alive(tree)):
+            return tree
+        time.sleep(0.2)
+    raise AssertionError("vLLM's engine core never started")
+
+
+def _sigterm_and_time(proc: subprocess.Popen, watched: list[psutil.Process]) -> float:
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    while _alive(watched) and time.monotonic() - started < 60:
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _start(argv: list[str], log: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **ENGINE_ENV, **env})
+
+
+def _cleanup(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in _alive(_tree(proc.pid)):
+        p.kill()
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 3.0])
+def test_an_engine_role_stops_within_10_s_of_sigterm_during_start_up(text_model, tmp_path, delay_s):
+    """SIGTERM as soon as vLLM's engine core runs, and a little later (loading, compiling): vLLM's own
+    start-up handler's KeyboardInterrupt was swallowed there and the instance came up regardless."""
+    shm_before = _shm()
+    port = free_port()
+    proc = _start([sys.executable, "-m", "ascendserve", "--role", "pd", "--model", str(text_model), "--port",
+                   str(port), "--runtime-dir", str(tmp_path / "run"), "--log-format", "json"], tmp_path / "pd.log")
+    try:
+        tree = _wait_for_vllm_engine(proc.pid)
+        time.sleep(delay_s)
+        tree = [psutil.Process(proc.pid), *tree, *_tree(proc.pid)]
+        took = _sigterm_and_time(proc, tree)
+        log = (tmp_path / "pd.log").read_text(errors="replace")
+        assert took < STOP_WITHIN_S, f"took {took:.1f} s:\n{log[-3000:]}"
+        assert proc.returncode == 0, log[-3000:]
+        assert "stopped during start-up" in log
+        assert not _alive(tree)
+        assert "Application startup complete" not in log  # it did not go on starting
+        deadline = time.monotonic() + 5
+        while _shm() - shm_before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _shm() - shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+    finally:
+        _cleanup(proc)
+
+
+def test_all_stops_within_10_s_of_sigterm_while_its_engine_starts(text_model, tmp_path):
+    shm_before = _shm()
+    port = free_port_run(11)
+    proc = _start([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "mono", "--model",
+                   str(text_model), "--port", str(port), "--runtime-dir", str(tmp_path / "run"),
+                   "--log-format", "json"], tmp_path / "all.log")
+    try:
+        _wait_for_vllm_engine(proc.pid)
+        time.sleep(2.0)
+        tree = [psutil.Process(proc.pid), *_tree(proc.pid)]
+        took = _sigterm_and_time(proc, tree)
+        log = (tmp_path / "all.log").read_text(errors="replace")
+        assert took < STOP_WITHIN_S, f"took {took:.1f} s:\n{log[-3000:]}"
+        assert proc.returncode == 0 and not _alive(tree), log[-3000:]
+        assert "ignored SIGTERM" not in log
+        deadline = time.monotonic() + 5
+        while _shm() - shm_before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _shm() - shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+    finally:
+        _cleanup(proc)
+
+
+def test_all_gives_up_on_engines_that_cannot_start(text_model, tmp_path):
+    """1P1D on a model directory without weights: the engines' start fails every time; `all`
+    gives up after --start-limit failures in a row, prints vLLM's error and exits 1, leaving
+    nothing running. Meanwhile the proxy says why it cannot serve (503, not an empty model list)."""
+    broken = tmp_path / "no-weights"
+    shutil.copytree(text_model, broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    shm_before = _shm()
+    port = free_port_run(12)
+    started = time.monotonic()
+    out, err = tmp_path / "all.out", tmp_path / "all.err"
+    proc = subprocess.Popen([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "1P1D", "--model",
+                             str(broken), "--port", str(port), "--runtime-dir", str(tmp_path / "run"),
+                             "--start-limit", "2", "--log-format", "json"],
+                            stdout=open(out, "wb"), stderr=open(err, "wb"), start_new_session=True,
+                            env={**os.environ, **ENGINE_ENV})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        seen = set()
+        while proc.poll() is None and time.monotonic() - started < 300:
+            try:
+                models = httpx.get(url + "/v1/models", timeout=2)
+                health = httpx.get(url + "/health", timeout=2)
+                seen.add((models.status_code, models.json()["error"]["message"], health.status_code))
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(1.0)
+        took = time.monotonic() - started
+        assert proc.poll() == 1, f"all still running or exit {proc.poll()} after {took:.0f} s"
+        errors = err.read_text(errors="replace")
+        assert "failed to start 2 time(s) in a row" in errors
+        report = errors.split("giving up and stopping the others.", 1)[1]
+        assert "Cannot find any model weights" in report, report[:3000]
+        assert "children stopped" in errors
+        assert errors.count("child exited before it was up; restarting") >= 1
+        assert seen, "the proxy never answered"
+        assert all(status == 503 and h == 503 and "no engine instance registered" in message
+                   for status, message, h in seen), seen
+        assert not _alive(_tree(proc.pid))
+        deadline = time.monotonic() + 5
+        while _shm() - shm_before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _shm() - shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+        assert took < 240
+    finally:
+        _cleanup(proc)
