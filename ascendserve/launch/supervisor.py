@@ -145,6 +145,23 @@ def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         return False
 
 
+class _TextSink:
+    """Bytes written to a text stream that has no binary buffer (a replaced sys.stdout)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, raw: bytes) -> None:
+        self.stream.write(raw.decode(errors="replace"))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _binary(stream):
+    return getattr(stream, "buffer", None) or _TextSink(stream)
+
+
 class Supervisor:
     def __init__(self, children: list[Child], base_env: dict[str, str], backoff_max_s: float = 30.0,
                  start_limit: int = DEFAULT_START_LIMIT, stop_timeout_s: float = 30.0,
@@ -157,8 +174,8 @@ class Supervisor:
         self.stopping = threading.Event()
         self.gave_up: Child | None = None
         self._probe = probe_fn
-        self._out = out if out is not None else sys.stdout.buffer
-        self._err = err if err is not None else sys.stderr.buffer
+        self._out = out if out is not None else _binary(sys.stdout)
+        self._err = err if err is not None else _binary(sys.stderr)
         self._write_lock = threading.Lock()
 
     # ---- output ---------------------------------------------------------
