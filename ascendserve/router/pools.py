@@ -243,6 +243,11 @@ class Pools:
         needed += ["encoder"] if encoders_required and "encoder" in known else []
         roles = {r: self.role_report(r) for r in ROLES if r in known or r in needed}
         missing = [f"no healthy {r} instance: {self.role_problem(r)}" for r in needed if not self.has_active(r)]
+        # optional encoders: not needed, but not judged before their first check either (a test or a
+        # client that waits for 200 expects the encoders it configured to be in use when they work)
+        unchecked = [i for i in self.by_role["encoder"].instances.values() if i.state == PROBING and not i.failures]
+        if "encoder" not in needed and unchecked and not self.has_active("encoder"):
+            missing.append(f"encoder instances not checked yet: {len(unchecked)} probing")
         if not needed:
             missing.append("no engine instance registered yet (need a pd instance, or prefill and decode "
                            "instances)")

@@ -91,6 +91,15 @@ def test_mono_needs_only_pd(proxy):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["/models/m"]
 
 
+def test_an_encoder_not_checked_yet_holds_health_until_its_first_check(proxy):
+    client, pools = proxy
+    _instance(pools, "pd", "http://127.0.0.1:8010")
+    encoder = _instance(pools, "encoder", "http://127.0.0.1:8011", state="probing")
+    assert client.get("/health").json()["missing"] == ["encoder instances not checked yet: 1 probing"]
+    encoder.failures = 1  # its first probe failed: known down, local fallback serves
+    assert client.get("/health").status_code == 200
+
+
 def test_encoders_are_optional_with_local_fallback():
     for fallback, status in (("local", 200), ("fail", 503)):
         app = create_app(load("proxy", None, {"proxy__health_interval_s": 3600.0,
