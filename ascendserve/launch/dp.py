@@ -119,7 +119,8 @@ def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, s
         rank = args.dp_rank_start + i
         port = args.engine_port + i
         argv = [*cli, "--role", args.role, "--port", str(port), "--tensor-parallel-size", str(args.tp_size),
-                "--log-level", args.log_level, "--log-format", child_log_format(args.log_format)]
+                "--log-level", args.log_level, "--log-format", child_log_format(args.log_format),
+                "--host-engines", str(local)]  # the ranks on this node share its free memory (CPU hosts)
         if args.model:
             argv += ["--model", args.model]
         if args.config:
