@@ -34,6 +34,7 @@ def test_ranks_get_consecutive_ports_their_own_kv_ports_and_the_unknown_flags(tm
         assert argv[-2:] == ["--metaserver-url", "http://m:1"]
         assert _value(argv, "--data-parallel-size") == "1"  # dense: independent instances
         assert "--data-parallel-rank" not in argv
+        assert _value(argv, "--host-engines") == "2"  # this node's ranks share its memory
 
 
 def test_moe_ranks_carry_vllm_data_parallel_settings(tmp_path):
