@@ -58,6 +58,12 @@ def free_port_run(count: int, offsets: tuple[int, ...] = ()) -> int:
     raise RuntimeError(f"no run of {count} free ports")
 
 
+def all_role_port() -> int:
+    """A base port for `--role all`: it binds the port, + 1 (metaserver), + 10.. (engines) and
+    their KV side channels (+ 1000), so a free base port alone is not enough."""
+    return free_port_run(2, offsets=(10, 11, 12, 1010, 1011, 1012))
+
+
 @dataclass
 class Proc:
     name: str

@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.procs import ENGINE_ENV, free_port
+from tests.procs import ENGINE_ENV, all_role_port
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def shm_segments() -> set[str]:
 
 def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
     shm_before = shm_segments()
-    port = free_port()
+    port = all_role_port()
     out = open(tmp_path / "all.out", "w")
     err = open(tmp_path / "all.err", "w")
     env = {**os.environ, **ENGINE_ENV}

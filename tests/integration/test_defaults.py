@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from ascendserve.launch.children import kill_group
-from tests.procs import ENGINE_ENV, UNTUNED_ENV, ascendserve, free_port_run, start_all
+from tests.procs import ENGINE_ENV, UNTUNED_ENV, all_role_port, ascendserve, start_all
 from tests.traffic import check_user_traffic
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def test_pd_role_with_no_flags_serves_users(user_model, oracle, tmp_path):
 
 
 def _start_all_role(model: Path, run_dir: Path, *flags: str):
-    port = free_port_run(2, offsets=(10, 11, 1010, 1011))
+    port = all_role_port()
     out = open(run_dir / "all.out", "w")
     env = {k: v for k, v in {**os.environ, **ENGINE_ENV, **UNTUNED_ENV}.items() if v is not None}
     proc = subprocess.Popen([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "1P1D",

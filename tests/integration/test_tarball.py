@@ -25,7 +25,7 @@ import pytest
 
 from ascendserve import __version__
 from ascendserve.launch.children import kill_group
-from tests.procs import PYTHON, REPO, Proc, completion_ids, free_port, wait_for
+from tests.procs import PYTHON, REPO, Proc, completion_ids, all_role_port, free_port, wait_for
 
 pytestmark = pytest.mark.integration
 BUILD_TIMEOUT_S = 1800
@@ -128,7 +128,7 @@ def _group_alive(pgid: int) -> list[psutil.Process]:
 
 
 def test_all_mono_serves_from_the_bundle_and_stops_clean(release, clean_env, tmp_path):
-    port = free_port()
+    port = all_role_port()
     url = f"http://127.0.0.1:{port}"
     run_dir = tmp_path / "run"
     log = open(tmp_path / "all.log", "w")
@@ -205,7 +205,7 @@ def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, tmp_path):
     ref = Proc("vllm-reference", [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                                   "--host", "127.0.0.1", "--port", str(ref_port)],
                ref_port, tmp_path / "vllm-reference.log", {})
-    port = free_port()
+    port = all_role_port()
     url = f"http://127.0.0.1:{port}"
     run_dir = tmp_path / "run"
     log_path = tmp_path / "all.log"
