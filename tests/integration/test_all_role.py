@@ -53,7 +53,11 @@ def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
                             stdout=out, stderr=err, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: "ready at" in (tmp_path / "all.out").read_text(), 300, "cluster never announced itself")
+        def announced_or_exited() -> bool:
+            assert proc.poll() is None, f"all exited with {proc.returncode}:\n{(tmp_path / 'all.err').read_text()[-3000:]}"
+            return "ready at" in (tmp_path / "all.out").read_text()
+
+        wait_for(announced_or_exited, 300, "cluster never announced itself")
         announced = (tmp_path / "all.out").read_text()
         assert url in announced and "curl -s" in announced
         model = str(tmp_path / "run" / "demo-model-text")
