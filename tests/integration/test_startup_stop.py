@@ -75,6 +75,15 @@ def _cleanup(proc: subprocess.Popen) -> None:
         p.kill()
 
 
+
+def _assert_no_shm_left(before: set[str], wait_s: float = 5.0) -> None:
+    """Nothing new in /dev/shm (vLLM's last processes get a moment to unlink what they made)."""
+    deadline = time.monotonic() + wait_s
+    while _shm() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _shm() - before, f"left in /dev/shm: {_shm() - before}"
+
+
 @pytest.mark.parametrize("delay_s", [0.0, 3.0])
 def test_an_engine_role_stops_within_10_s_of_sigterm_during_start_up(text_model, tmp_path, delay_s):
     """SIGTERM as soon as vLLM's engine core runs, and a little later (loading, compiling): vLLM's own
@@ -94,10 +103,7 @@ def test_an_engine_role_stops_within_10_s_of_sigterm_during_start_up(text_model,
         assert "stopped during start-up" in log
         assert not _alive(tree)
         assert "Application startup complete" not in log  # it did not go on starting
-        deadline = time.monotonic() + 5
-        while _shm() - shm_before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _shm() - shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+        _assert_no_shm_left(shm_before)
     finally:
         _cleanup(proc)
 
@@ -117,10 +123,7 @@ def test_all_stops_within_10_s_of_sigterm_while_its_engine_starts(text_model, tm
         assert took < STOP_WITHIN_S, f"took {took:.1f} s:\n{log[-3000:]}"
         assert proc.returncode == 0 and not _alive(tree), log[-3000:]
         assert "ignored SIGTERM" not in log
-        deadline = time.monotonic() + 5
-        while _shm() - shm_before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _shm() - shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+        _assert_no_shm_left(shm_before)
     finally:
         _cleanup(proc)
 
@@ -163,10 +166,7 @@ def test_all_gives_up_on_engines_that_cannot_start(text_model, tmp_path):
         assert all(status == 503 and h == 503 and "no engine instance registered" in message
                    for status, message, h in seen), seen
         assert not _alive(_tree(proc.pid))
-        deadline = time.monotonic() + 5
-        while _shm() - shm_before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _shm() - shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+        _assert_no_shm_left(shm_before)
         assert took < 240
     finally:
         _cleanup(proc)
