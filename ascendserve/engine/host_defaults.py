@@ -113,7 +113,7 @@ def engine_dtype(config: Config, cpuinfo: str | None = None) -> str:
     return dtype
 
 
-def memory_args(config: Config, *, cpu: bool | None = None, available: int | None = None,
+def memory_args(config: Config, *, dtype: str | None = None, cpu: bool | None = None, available: int | None = None,
                 total: int | None = None) -> list[str]:
     """vLLM's memory arguments for this engine role: the explicit ones, or on a CPU host a KV
     cache sized from free memory; a start-up that cannot fit is a ConfigError naming the setting."""
@@ -143,7 +143,7 @@ def memory_args(config: Config, *, cpu: bool | None = None, available: int | Non
     facts = model_facts(config.model.path)
     if facts is None:
         return args  # not a directory we can read: vLLM says what is wrong with it
-    per_token = facts.kv_elements_per_token * DTYPE_BYTES.get(engine_dtype(config), 2)
+    per_token = facts.kv_elements_per_token * DTYPE_BYTES.get(dtype or engine_dtype(config), 2)
     max_len = e.max_model_len or facts.max_positions
     one_sequence = per_token * max_len
     engines = e.host_engines

@@ -173,12 +173,13 @@ def passthrough_args(config: Config) -> list[str]:
 
 def build_argv(config: Config) -> list[str]:
     e = config.engine
+    dtype = engine_dtype(config)  # read once: the KV size depends on it
     argv = [
         "--model", config.model.path,
         "--host", config.server.host,
         "--port", str(config.server.port),
         "--tensor-parallel-size", str(e.tensor_parallel_size),
-        "--dtype", engine_dtype(config),
+        "--dtype", dtype,
         "--middleware", MIDDLEWARE,
         "--disable-uvicorn-access-log",
     ]
@@ -187,7 +188,7 @@ def build_argv(config: Config) -> list[str]:
     for key in ("max_model_len", "max_num_seqs"):
         if getattr(e, key) is not None:
             argv += _option(key, getattr(e, key))
-    argv += memory_args(config)
+    argv += memory_args(config, dtype=dtype)
     if e.enforce_eager:
         argv.append("--enforce-eager")
     return argv + parallel_args(config) + role_args(config) + passthrough_args(config)
