@@ -4,6 +4,7 @@ for every transport (tcp, shm, and mooncake when its engine is installed)."""
 import importlib.util
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -74,10 +75,18 @@ def test_many_requests_reuse_connections(pair):
     results_until(p, lambda g: len(g[0]) == 12)
 
 
-def test_read_that_arrives_before_the_hold_waits_for_it(pair):
+def test_read_that_arrives_before_the_hold_waits_for_it(pair, monkeypatch):
     p, d, port = pair
+    waiting = threading.Event()
+    wait_for = p._registered.wait_for
+
+    def wait_for_and_tell(predicate, timeout=None):
+        waiting.set()  # under P's lock: the hold below is registered once this wait has released it
+        return wait_for(predicate, timeout)
+
+    monkeypatch.setattr(p._registered, "wait_for", wait_for_and_tell)
     d.start_load_kv(PullMetadata(recv=[RecvPlan("req-d", [0], [2], "127.0.0.1", port, "late")]))
-    time.sleep(0.3)
+    assert waiting.wait(10)  # the READ is in and waits for a hold P has not registered yet
     p.start_load_kv(PullMetadata(send={"late": ([2], 30.0)}))
     _, recvd, failed = results_until(d, lambda g: "req-d" in g[1])
     assert not failed
@@ -85,6 +94,7 @@ def test_read_that_arrives_before_the_hold_waits_for_it(pair):
 
 def test_unknown_request_fails_and_expiry_frees(pair):
     p, d, port = pair
+    p.hold_wait_s = 0.2  # how long a READ waits for its hold to be registered (the fixture's 2 s)
     d.start_load_kv(PullMetadata(recv=[RecvPlan("req-d", [0], [2], "127.0.0.1", port, "never-held")]))
     _, recvd, failed = results_until(d, lambda g: "req-d" in g[1], timeout=15)
     assert "req-d" in failed
