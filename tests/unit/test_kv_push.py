@@ -171,6 +171,9 @@ def test_layers_arrive_and_complete(pair):
 
 def test_push_into_blocks_not_reserved_fails_the_request(pair):
     p, d, port = pair
+    # the request has failed (and is no longer expected) after layer 0: each later layer waits this
+    # long for it to be expected again before it is refused (the fixture's 2 s, twice, held P's sender)
+    d.expect_wait_s = 0.2
     d.start_load_kv(PushMetadata(expect={"r": [9]}))
     run_step(p, [PushPlan("r", [1], [10], "127.0.0.1", port, last=True)])
     _, recvd, failed = results_until(d, lambda g: "r" in g[1])
