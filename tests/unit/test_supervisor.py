@@ -7,12 +7,13 @@ import io
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
+from ascendserve.launch import supervisor
 from ascendserve.launch.supervisor import Child, Supervisor
 
 SCRIPT = """
@@ -55,21 +56,26 @@ def _supervisor(children, **kw) -> tuple[Supervisor, _Sink, _Sink]:
     return Supervisor(children, {}, out=out, err=err, **kw), out, err
 
 
-def _run(sup: Supervisor, timeout_s: float) -> None:
-    t = threading.Thread(target=sup.run, daemon=True)
+@pytest.fixture
+def fast_polls(monkeypatch):
+    """A child is probed at every poll (0.05 s apart in _run), not once a second."""
+    monkeypatch.setattr(supervisor, "PROBE_INTERVAL_S", 0.0)
+
+
+def _run(sup: Supervisor, timeout_s: float, until=lambda: False) -> None:
+    """Supervisor.run()'s loop (poll_once until `stopping` is set, as when it gives up), polling every
+    0.05 s rather than 0.5 s, until `until()` holds or `timeout_s` has passed."""
     sup.start_all()
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        sup.stopping.set()
-        t.join(5)
+    deadline = time.monotonic() + timeout_s
+    while not sup.stopping.wait(0.05) and not until() and time.monotonic() < deadline:
+        sup.poll_once()
 
 
 def _alive(child: Child) -> bool:
     return child.popen is not None and child.popen.poll() is None
 
 
-def test_a_child_that_never_starts_is_given_up_with_its_last_lines(tmp_path):
+def test_a_child_that_never_starts_is_given_up_with_its_last_lines(tmp_path, fast_polls):
     crasher = Child("engine", [sys.executable, "-c",
                                "import json, sys; print('loading weights', flush=True); "
                                "print(json.dumps({'event': 'WorkerProc failed to start.', 'level': 'error', "
@@ -77,7 +83,7 @@ def test_a_child_that_never_starts_is_given_up_with_its_last_lines(tmp_path):
                                "file=sys.stderr); "
                                "[print(f'noise {i}', file=sys.stderr) for i in range(300)]; "
                                "print('RuntimeError: no safetensors in /models/x', file=sys.stderr); sys.exit(3)"],
-                    ready_url=str(tmp_path / "never"))
+                    ready_url=str(tmp_path / "never"), backoff_s=0.05)
     sleeper = Child("metaserver", [sys.executable, "-c", "import time; time.sleep(120)"])
     sup, out, err = _supervisor([sleeper, crasher], backoff_max_s=0.5, start_limit=3)
     started = time.monotonic()
@@ -101,13 +107,13 @@ def test_a_child_that_never_starts_is_given_up_with_its_last_lines(tmp_path):
     assert not _alive(sleeper)
 
 
-def test_a_child_that_was_up_and_crashes_is_restarted_and_not_counted(tmp_path):
+def test_a_child_that_was_up_and_crashes_is_restarted_and_not_counted(tmp_path, fast_polls):
     marker = tmp_path / "up"
-    # up at once (the marker), crashes after 1.5 s: a crash after a good start
-    code = f"import pathlib, sys, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(1.5); sys.exit(1)"
-    flaky = Child("decode", [sys.executable, "-c", code], ready_url=str(marker))
+    # up at once (the marker), crashes after 1 s: a crash after a good start
+    code = f"import pathlib, sys, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(1.0); sys.exit(1)"
+    flaky = Child("decode", [sys.executable, "-c", code], ready_url=str(marker), backoff_s=0.05)
     sup, _, err = _supervisor([flaky], backoff_max_s=0.5, start_limit=1)
-    _run(sup, 12)
+    _run(sup, 12, until=lambda: flaky.restarts >= 3)  # a crash counted as a failed start gives up at once
     try:
         assert sup.gave_up is None and sup.exit_code() == 0, err.text()
         assert flaky.restarts >= 3 and flaky.failed_starts == 0
@@ -115,17 +121,17 @@ def test_a_child_that_was_up_and_crashes_is_restarted_and_not_counted(tmp_path):
         sup.stop_all(timeout_s=5)
 
 
-def test_failed_starts_count_in_a_row_only(tmp_path):
+def test_failed_starts_count_in_a_row_only(tmp_path, fast_polls):
     """A good start in between resets the count: three failures with a good run after the first
     two are not a start limit of 3."""
     runs, marker = tmp_path / "runs", tmp_path / "up"
     code = (f"import pathlib, sys, time\nr = pathlib.Path({str(runs)!r})\nn = len(r.read_text()) if r.exists() else 0\n"
             f"r.write_text('x' * (n + 1))\nm = pathlib.Path({str(marker)!r})\n"
-            "if n == 2:\n    m.touch(); time.sleep(1.5); m.unlink(); sys.exit(1)\n"
+            "if n == 2:\n    m.touch(); time.sleep(1.0); m.unlink(); sys.exit(1)\n"
             "if n >= 5:\n    time.sleep(60)\nsys.exit(2)\n")
-    child = Child("prefill", [sys.executable, "-c", code], ready_url=str(marker))
+    child = Child("prefill", [sys.executable, "-c", code], ready_url=str(marker), backoff_s=0.05)
     sup, _, err = _supervisor([child], backoff_max_s=0.3, start_limit=3)
-    _run(sup, 15)
+    _run(sup, 15, until=lambda: runs.exists() and len(runs.read_text()) >= 6)
     try:
         # runs 0, 1 fail; run 2 is up then crashes; runs 3, 4 fail; run 5 stays: never 3 in a row
         assert sup.gave_up is None, err.text()
@@ -135,7 +141,8 @@ def test_failed_starts_count_in_a_row_only(tmp_path):
 
 
 def test_start_limit_zero_never_gives_up(tmp_path):
-    child = Child("proxy", [sys.executable, "-c", "raise SystemExit(1)"], ready_url=str(tmp_path / "never"))
+    child = Child("proxy", [sys.executable, "-c", "raise SystemExit(1)"], ready_url=str(tmp_path / "never"),
+                  backoff_s=0.05)
     sup, _, _ = _supervisor([child], backoff_max_s=0.2, start_limit=0)
     deadline = time.monotonic() + 20
     sup.start_all()
