@@ -162,7 +162,10 @@ def test_body_limit_answers_from_the_header_before_the_app():
         async def send(message):
             sent.append(message)
 
-        await BodyLimit(app, max_bytes=100)({"type": "http", "headers": headers}, None, send)
+        async def receive():
+            return {"type": "http.request", "body": b"x" * 100, "more_body": False}
+
+        await BodyLimit(app, max_bytes=100)({"type": "http", "headers": headers}, receive, send)
         return sent[0]["status"], (json.loads(sent[1]["body"])["error"]["message"] if sent[1]["body"] else "")
 
     assert asyncio.run(call([(b"content-length", b"100")])) == (204, "")
@@ -170,3 +173,44 @@ def test_body_limit_answers_from_the_header_before_the_app():
     assert asyncio.run(call([(b"Content-Length", b"101")])) == (413, "request body too large")
     assert asyncio.run(call([(b"content-length", b"abc")])) == (400, "invalid Content-Length header")
     assert asyncio.run(call([(b"content-length", b"-5")])) == (400, "invalid Content-Length header")
+
+
+def test_a_refused_body_is_read_before_the_connection_closes():
+    """A 413 sent while the client still writes its body, then a close with those bytes unread, is
+    a TCP reset that can discard the 413 before the client reads it: the rest is drained first,
+    up to a bound (4x the limit, at least 4 MiB) and a deadline, so a huge body cannot hold it."""
+    import asyncio
+
+    from ascendserve.web import body_limit
+    from ascendserve.web.body_limit import BodyLimit
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app must not run")
+
+    async def call(total: int, chunk: int, stall_after: int | None = None):
+        sent, read = [], [0]
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            if stall_after is not None and read[0] >= stall_after:
+                await asyncio.sleep(60)  # a client that stops sending
+            n = min(chunk, total - read[0])
+            read[0] += n
+            return {"type": "http.request", "body": b"x" * n, "more_body": read[0] < total}
+
+        started = asyncio.get_running_loop().time()
+        await BodyLimit(app, max_bytes=100)({"type": "http", "headers": [(b"content-length", str(total).encode())]},
+                                            receive, send)
+        return sent[0]["status"], read[0], asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(call(5000, 1000))[:2] == (413, 5000)  # all of it, after the answer
+    status, read, _ = asyncio.run(call(64 << 20, 1 << 20))
+    assert status == 413 and (4 << 20) <= read <= (5 << 20), read  # bounded
+    body_limit.DRAIN_S, saved = 0.3, body_limit.DRAIN_S
+    try:
+        status, read, took = asyncio.run(call(5000, 1000, stall_after=2000))
+    finally:
+        body_limit.DRAIN_S = saved
+    assert status == 413 and read == 2000 and took < 2, (read, took)
