@@ -1,0 +1,179 @@
+"""The suite's own machinery for two workers: ports that cannot collide between them, the
+memory budget their engines share, and the engines the whole session shares."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import memory, ports
+from tests.procs import REPO, engine_ranks
+
+
+def _ports_of(worker: int, workers: int, n: int, monkeypatch) -> list[int]:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
+    return [ports.free_port() for _ in range(n)]
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_workers_ports_and_their_derived_ports_never_meet(monkeypatch, workers):
+    seen: dict[int, int] = {}
+    for w in range(workers):
+        for base in _ports_of(w, workers, 150, monkeypatch):
+            # what an engine role binds beside its port: KV side channel + TP ranks, NetLoader seed
+            for p in (base, base + 1000, base + 1001, base + 2000):
+                assert ports.owner(p, workers) == w, (p, w)
+                assert seen.setdefault(p, w) == w, f"port {p} of worker {w} also belongs to worker {seen[p]}"
+                assert ports.LOW <= p < 32768  # never in the kernel's ephemeral range
+
+
+def test_a_run_for_all_keeps_its_offsets_in_the_share(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    for _ in range(50):
+        base = ports.free_port_run(2, offsets=(10, 11, 12, 1010, 1011, 1012))
+        for p in [base, base + 1, base + 10, base + 12, base + 1012]:
+            assert ports.owner(p, 2) == 1, (base, p)
+
+
+def test_a_port_is_handed_out_once_and_a_taken_one_never(monkeypatch):
+    import socket
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    given = [ports.free_port() for _ in range(300)]
+    assert len(set(given)) == len(given)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        taken = s.getsockname()[1]
+        assert taken not in given
+
+
+def test_engine_ranks_from_command_lines():
+    py = [sys.executable, "-m"]
+    assert engine_ranks(py + ["ascendserve", "--role", "proxy", "--port", "1"]) == 0
+    assert engine_ranks(py + ["tests.stub_backend", "--role", "prefill"]) == 0
+    assert engine_ranks(py + ["ascendserve", "--role", "pd", "--model", "m"]) == 1
+    assert engine_ranks(py + ["ascendserve", "--role", "pd", "--tensor-parallel-size", "2"]) == 2
+    assert engine_ranks(py + ["ascendserve", "launch", "--role", "pd", "--dp-size", "2", "--tp-size=2"]) == 4
+    assert engine_ranks(py + ["vllm.entrypoints.openai.api_server", "--model", "m"]) == 1
+    assert engine_ranks(py + ["ascendserve", "--role", "all", "--topology", "1P1D"]) == 2
+    assert engine_ranks(py + ["ascendserve", "--role", "pd", "--help"]) == 0
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "LEDGER", tmp_path / "ledger.json")
+    monkeypatch.setattr(memory, "POLL_S", 0.05)
+    monkeypatch.setenv("ASCENDSERVE_TEST_MEMORY_GIB", "5")
+    monkeypatch.setenv("ASCENDSERVE_TEST_LEDGER", str(tmp_path / "ledger.json"))
+    monkeypatch.delenv("ASCENDSERVE_TEST_SESSION_PID", raising=False)
+    return tmp_path / "ledger.json"
+
+
+def _hold(gib, hold_s, q):
+    key = memory.reserve(gib, "child")
+    q.put(("held", time.monotonic()))
+    time.sleep(hold_s)
+    memory.release(key)
+
+
+def test_a_start_that_does_not_fit_waits_for_a_release(ledger):
+    keys = memory.reserve_many([(2, "a"), (2, "b")])
+    q = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=_hold, args=(2, 0, q))
+    child.start()
+    time.sleep(0.5)
+    assert q.empty(), "4 + 2 GiB went past a 5 GiB budget"
+    released = time.monotonic()
+    memory.release(keys[0])
+    state, at = q.get(timeout=10)
+    assert state == "held" and at >= released
+    child.join(10)
+    memory.release(keys[1])
+    assert memory.held() == []
+
+
+def _die_holding(q):
+    memory.reserve(4, "killed")
+    q.put("held")
+    q.close()
+    q.join_thread()
+    os._exit(1)  # killed: no release
+
+
+def test_a_dead_owners_reservation_is_dropped(ledger):
+    q = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=_die_holding, args=(q,))
+    child.start()
+    assert q.get(timeout=10) == "held"
+    child.join(10)
+    key = memory.reserve(4, "after", wait_s=5)  # would time out if the dead one still counted
+    memory.release(key)
+
+
+def _hold_then_want_more(q):
+    memory.reserve(2, "child first")
+    q.put("held")
+    time.sleep(0.3)
+    memory.reserve(3, "child more", wait_s=10)
+    q.put("child went ahead")
+
+
+def test_two_waiters_holding_what_the_other_needs_do_not_hang(ledger):
+    mine = memory.reserve(3, "parent first")
+    q = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=_hold_then_want_more, args=(q,))
+    child.start()
+    assert q.get(timeout=10) == "held"
+    time.sleep(0.1)
+    started = time.monotonic()
+    more = memory.reserve(3, "parent more", wait_s=10)  # 8 of 5 GiB: only the deadlock rule lets it in
+    assert time.monotonic() - started < 5
+    memory.release(more)
+    memory.release(mine)
+    assert q.get(timeout=10) == "child went ahead"
+    child.join(10)
+
+
+def test_waiting_has_a_deadline_naming_the_holders(ledger):
+    key = memory.reserve(4, "the big one")
+    q = mp.get_context("fork").Queue()
+
+    def want():
+        try:
+            memory.reserve(2, "late", wait_s=0.5)
+            q.put("fitted")
+        except TimeoutError as e:
+            q.put(str(e))
+
+    # the holder runs (is not waiting): waiting is right, and it ends at the deadline
+    child = mp.get_context("fork").Process(target=want)
+    child.start()
+    msg = q.get(timeout=10)
+    child.join(10)
+    memory.release(key)
+    assert "never fitted" in msg and "the big one" in msg
+
+
+def test_the_reaper_stops_an_engine_group_when_the_session_dies(tmp_path):
+    session = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    reaper = subprocess.Popen([sys.executable, "-m", "tests.reaper", str(session.pid), str(engine.pid)],
+                              cwd=str(REPO))
+    try:
+        time.sleep(1.5)
+        assert engine.poll() is None, "reaped while the session lived"
+        session.kill()
+        session.wait()
+        assert engine.wait(15) != 0
+        assert reaper.wait(15) == 0
+    finally:
+        for p in (session, engine, reaper):
+            if p.poll() is None:
+                p.kill()
