@@ -7,34 +7,68 @@ from pathlib import Path
 import pytest
 
 
-def _build(kind: str, out: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "ascendserve", "model", "tiny", "--kind", kind, "--out", str(out)],
-        check=True, capture_output=True, timeout=300,
-    )
+def _build(kind: str) -> Path:
+    """The session's tiny model of `kind`, built once for all workers in the session's shared
+    directory: session-wide engines serve it by its path, which is also its model name."""
+    from tests.shared_engines import shared_dir, shared_lock
+
+    out = shared_dir() / "models" / f"tiny-{kind}"
+    with shared_lock(f"model-{kind}"):
+        if not (out / "config.json").exists():
+            part = out.with_name(out.name + ".part")
+            subprocess.run(
+                [sys.executable, "-m", "ascendserve", "model", "tiny", "--kind", kind, "--out", str(part)],
+                check=True, capture_output=True, timeout=300,
+            )
+            part.rename(out)
     return out
 
 
 @pytest.fixture(scope="session")
-def text_model(tmp_path_factory) -> Path:
-    return _build("text", tmp_path_factory.mktemp("models") / "tiny-text")
+def text_model() -> Path:
+    return _build("text")
 
 
 @pytest.fixture(scope="session")
-def vl_model(tmp_path_factory) -> Path:
-    return _build("vl", tmp_path_factory.mktemp("models") / "tiny-vl")
+def vl_model() -> Path:
+    return _build("vl")
 
 
 @pytest.fixture(scope="session")
 def text_oracle(text_model, tmp_path_factory):
-    """One plain vLLM instance on the tiny text model: the correctness oracle
-    every text topology is compared with (shared: each instance costs ~3 GB)."""
-    from tests.procs import plain_vllm, start_all
+    """One plain vLLM instance on the tiny text model: the correctness oracle every text
+    topology is compared with, one for the whole session and all its workers
+    (tests/shared_engines.py: each instance costs ~2 GiB and ~20 s)."""
+    from tests.procs import plain_vllm
+    from tests.shared_engines import shared
 
-    oracle = plain_vllm(text_model, tmp_path_factory.mktemp("oracle-logs"))
-    start_all(oracle)
-    yield oracle
-    oracle.stop()
+    return shared("text-oracle", lambda: plain_vllm(text_model,
+                                                    tmp_path_factory.mktemp("oracle-logs")))
+
+
+@pytest.fixture(scope="session")
+def vl_oracle(vl_model, tmp_path_factory):
+    """Plain vLLM on the tiny VL model: the oracle of every topology with an encoder (session-wide)."""
+    from tests.procs import plain_vllm
+    from tests.shared_engines import shared
+
+    return shared("vl-oracle", lambda: plain_vllm(vl_model,
+                                                  tmp_path_factory.mktemp("vl-oracle"), name="vllm-vl"))
+
+
+@pytest.fixture(autouse=True)
+def _memory_of_direct_starts(request):
+    """A test that starts engines without tests.procs (subprocess.Popen of `all`, bench/'s
+    clusters) says what they need, @pytest.mark.memory_gib(GiB), and holds that much of the
+    memory budget while it runs (tests/memory.py)."""
+    marker = request.node.get_closest_marker("memory_gib")
+    if marker is None:
+        yield
+        return
+    from tests import memory
+
+    with memory.reserved(float(marker.args[0]), request.node.nodeid):
+        yield
 
 
 # --- Which tests start a real engine; --quick; wip --------------------------------------------
@@ -86,7 +120,7 @@ SLOW_TESTS = (
     "tests/unit/test_vllm_patches.py::test_without_the_fix_expert_parallel_does_not_match",
     "tests/integration/test_doctor.py::",
 )
-ENGINE_FIXTURES = {"text_oracle"}
+ENGINE_FIXTURES = {"text_oracle", "vl_oracle", "untuned_text_oracle"}
 ENGINE_HELPERS = {"ascendserve", "plain_vllm", "pd_cluster"}  # tests/procs.py names that start vLLM
 ENGINE_ROLES = {"encoder", "prefill", "decode", "pd", "all"}
 
@@ -161,6 +195,47 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    _heaviest_first(items)
+
+
+# --- Two workers (pytest-xdist, scripts/test.sh) ---------------------------------------------
+#
+# scripts/test.sh runs `-n 2 --dist loadscope --no-loadscope-reorder`: a worker takes a whole
+# module at a time (xdist's scope of a test function), so a module's fixtures start once, on
+# one worker. (`--dist loadgroup` would group across modules, but xdist 3.8 cannot set its group
+# suffix on pytest 9.2's node ids: every test would go out alone.) Modules go out in collection
+# order, which is sorted here heaviest first (MODULE_SECONDS, measured with --durations on this
+# 2-core host; a module not listed counts as light), so that the last one to start is short.
+# What the workers share (the models, the oracles: tests/shared_engines.py), their ports
+# (tests/ports.py) and the memory budget that keeps their engines within the host's memory
+# (tests/memory.py) are set up by the controlling process.
+MODULE_SECONDS = {  # serial wall time of the module, fixtures included
+    "tests/integration/test_epd.py": 490,
+    "tests/integration/test_kv_failures.py": 400,
+    "tests/integration/test_moe.py": 300,
+    "tests/integration/test_netloader.py": 280,
+    "tests/integration/test_kv_pull.py": 250,
+    "tests/integration/test_tarball.py": 240,
+    "tests/integration/test_defaults.py": 190,
+    "tests/integration/test_chaos.py": 185,
+    "tests/integration/test_kv_push.py": 180,
+    "tests/integration/test_topologies.py": 120,
+    "tests/integration/test_startup_stop.py": 120,
+    "tests/integration/test_launch.py": 90,
+    "tests/integration/test_load.py": 60,
+    "tests/integration/test_all_role.py": 60,
+    "tests/integration/test_kv_hetero_tp.py": 60,
+    "tests/integration/test_security.py": 60,
+    "tests/integration/test_proxy_stubs.py": 60,
+    "tests/integration/test_pd_role.py": 40,
+}
+
+
+def _heaviest_first(items) -> None:
+    def weight(item) -> float:
+        return MODULE_SECONDS.get(item.nodeid.split("::", 1)[0], 0.0)
+
+    items.sort(key=lambda item: -weight(item))  # stable: a module keeps its own order
 
 
 def _is_vllm_process(p: psutil.Process) -> str | None:
@@ -259,13 +334,36 @@ def _guard_proc_start():
     procs.Proc.start = start
 
 
+def _controller(config) -> bool:
+    """The process that runs the session: pytest itself, or xdist's controller (not a worker)."""
+    return not hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
     global _watchdog
+    if _controller(config):
+        from tests.shared_engines import begin_session
+
+        begin_session()  # before xdist starts the workers: they inherit its environment
     if config.getoption("quick", False) and _watchdog is None:
         os.environ["ASCENDSERVE_TESTS_QUICK"] = "1"
         _guard_proc_start()
         _watchdog = _EngineWatchdog()
         _watchdog.thread.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the session-wide engines (once every worker is done) and check they left nothing."""
+    if not _controller(session.config):
+        return
+    from tests.shared_engines import end_session
+
+    problems = end_session()
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for line in problems:
+            (reporter.write_line if reporter else print)(f"session-wide engine left something: {line}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config):

