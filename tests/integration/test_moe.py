@@ -32,10 +32,10 @@ _SUCCESS = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)", r
 
 
 @pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
+def moe_model():
     from tests.conftest import _build
 
-    return _build("moe", tmp_path_factory.mktemp("models") / "tiny-moe")
+    return _build("moe")
 
 
 @pytest.fixture(scope="module")
