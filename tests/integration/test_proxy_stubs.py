@@ -177,24 +177,32 @@ def test_sigkill_decode_mid_stream(tmp_path):
         start_all(proxy)
         wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
 
+        killed_fp, survivor_fp = f"stub-{d1.port}", f"stub-{d2.port}"
+        streaming_from: set[str] = set()
+
         async def stream_one(client):
             text = ""
             async with client.stream("POST", proxy.url + "/v1/completions",
-                                     json={"model": "stub-model", "prompt": "x", "max_tokens": 100, "stream": True}) as r:
+                                     json={"model": "stub-model", "prompt": "x", "max_tokens": 200, "stream": True}) as r:
                 assert r.status_code == 200
                 async for chunk in r.aiter_text():
                     text += chunk
+                    streaming_from.update(fp for fp in (killed_fp, survivor_fp) if fp in chunk)
             return sse_events(text)
 
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
                 tasks = [asyncio.ensure_future(stream_one(client)) for _ in range(8)]
-                await asyncio.sleep(1.0)
+                # kill once both decodes are streaming (a fixed 1 s was too short on a loaded host:
+                # no stream had reached d1 yet, and the test saw none on the killed instance)
+                deadline = asyncio.get_running_loop().time() + 30
+                while streaming_from != {killed_fp, survivor_fp}:
+                    assert asyncio.get_running_loop().time() < deadline, f"streams only from {streaming_from}"
+                    await asyncio.sleep(0.05)
                 d1.popen.send_signal(signal.SIGKILL)
                 return await asyncio.gather(*tasks)
 
         results = asyncio.run(run())
-        killed_fp, survivor_fp = f"stub-{d1.port}", f"stub-{d2.port}"
         on_killed = [ev for ev in results if any(isinstance(e, dict) and e.get("system_fingerprint") == killed_fp for e in ev)]
         on_survivor = [ev for ev in results if ev not in on_killed]
         assert on_killed and on_survivor
