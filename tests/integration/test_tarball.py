@@ -12,10 +12,13 @@ plain vLLM's from the build's environment.
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,7 +75,13 @@ def _clean_env(base: Path) -> dict:
     (vLLM's and, inside it, inductor's under HOME) start empty, as on a new host."""
     for d in ("home", "cwd", "tmp"):
         (base / d).mkdir(exist_ok=True)
-    return {"PATH": "/usr/bin:/bin", "HOME": str(base / "home"), "TMPDIR": str(base / "tmp"), "LANG": "C.UTF-8",
+    # TMPDIR by a short path: vLLM puts its ZMQ ipc sockets there, and a Unix socket path has at
+    # most 107 bytes (pytest-xdist's popen-gwN/ directories took base past that)
+    tmp = Path(tempfile.mkdtemp(prefix="asf-tmp-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    (base / "tmp").rmdir()
+    (base / "tmp").symlink_to(tmp)
+    return {"PATH": "/usr/bin:/bin", "HOME": str(base / "home"), "TMPDIR": str(tmp), "LANG": "C.UTF-8",
             "OMP_NUM_THREADS": "1"}
 
 
