@@ -200,7 +200,8 @@ def pytest_collection_modifyitems(config, items):
 
 # --- Two workers (pytest-xdist, scripts/test.sh) ---------------------------------------------
 #
-# scripts/test.sh runs `-n 2 --dist loadscope --no-loadscope-reorder`: a worker takes a whole
+# scripts/test.sh runs `-n 2 --dist loadscope --no-loadscope-reorder` for --quick (and for the
+# whole suite with ASCENDSERVE_TEST_WORKERS=2, not its default: README): a worker takes a whole
 # module at a time (xdist's scope of a test function), so a module's fixtures start once, on
 # one worker. (`--dist loadgroup` would group across modules, but xdist 3.8 cannot set its group
 # suffix on pytest 9.2's node ids: every test would go out alone.) Modules go out in collection
@@ -209,25 +210,25 @@ def pytest_collection_modifyitems(config, items):
 # What the workers share (the models, the oracles: tests/shared_engines.py), their ports
 # (tests/ports.py) and the memory budget that keeps their engines within the host's memory
 # (tests/memory.py) are set up by the controlling process.
-MODULE_SECONDS = {  # serial wall time of the module, fixtures included
-    "tests/integration/test_epd.py": 490,
-    "tests/integration/test_kv_failures.py": 400,
-    "tests/integration/test_moe.py": 300,
-    "tests/integration/test_netloader.py": 280,
-    "tests/integration/test_kv_pull.py": 250,
-    "tests/integration/test_tarball.py": 240,
-    "tests/integration/test_defaults.py": 190,
-    "tests/integration/test_chaos.py": 185,
-    "tests/integration/test_kv_push.py": 180,
-    "tests/integration/test_topologies.py": 120,
-    "tests/integration/test_startup_stop.py": 120,
-    "tests/integration/test_launch.py": 90,
-    "tests/integration/test_load.py": 60,
-    "tests/integration/test_all_role.py": 60,
-    "tests/integration/test_kv_hetero_tp.py": 60,
-    "tests/integration/test_security.py": 60,
-    "tests/integration/test_proxy_stubs.py": 60,
-    "tests/integration/test_pd_role.py": 40,
+MODULE_SECONDS = {  # wall time of the module on one of two workers, fixtures included (2026-12-01)
+    "tests/integration/test_tarball.py": 738,  # its release build included, when not prebuilt
+    "tests/integration/test_epd.py": 572,
+    "tests/integration/test_netloader.py": 516,
+    "tests/integration/test_kv_failures.py": 504,
+    "tests/integration/test_kv_pull.py": 447,
+    "tests/integration/test_kv_push.py": 329,
+    "tests/integration/test_moe.py": 300,  # estimated
+    "tests/integration/test_defaults.py": 302,
+    "tests/integration/test_startup_stop.py": 265,
+    "tests/integration/test_chaos.py": 264,
+    "tests/integration/test_launch.py": 100,
+    "tests/integration/test_topologies.py": 99,
+    "tests/integration/test_all_role.py": 95,
+    "tests/integration/test_kv_hetero_tp.py": 50,
+    "tests/integration/test_pd_role.py": 44,
+    "tests/integration/test_proxy_stubs.py": 25,
+    "tests/integration/test_security.py": 24,
+    "tests/integration/test_load.py": 19,
 }
 
 
