@@ -28,6 +28,8 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.reaper import alive as _alive
+
 LEDGER = Path(os.environ.get("ASCENDSERVE_TEST_LEDGER", "/tmp/ascendserve-test-memory.json"))
 INSTANCE_GIB = 2.0
 RANK_GIB = 1.5
@@ -47,16 +49,6 @@ def budget_gib() -> float:
 
 def engine_gib(ranks: int = 1) -> float:
     return INSTANCE_GIB + RANK_GIB * max(ranks - 1, 0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager

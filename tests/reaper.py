@@ -14,7 +14,8 @@ import sys
 import time
 
 
-def _exists(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -41,7 +42,7 @@ def _group_exists(pgid: int) -> bool:
 def main(argv: list[str]) -> int:
     watch, pgid = int(argv[0]), int(argv[1])
     while _group_exists(pgid):
-        if not _exists(watch):
+        if not alive(watch):
             for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
                 try:
                     os.killpg(pgid, sig)
