@@ -74,6 +74,26 @@ def _terminate_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def pinned_core() -> int | None:
+    """With ASCENDSERVE_TEST_PIN_CORES=1 under several xdist workers: the core this worker's
+    engines run on (worker i on core i mod cores), so that one worker's load does not move
+    the other's latencies. Off by default (an experiment: README "Two workers")."""
+    from tests.ports import worker
+
+    index, workers = worker()
+    if workers < 2 or os.environ.get("ASCENDSERVE_TEST_PIN_CORES", "0") != "1":
+        return None
+    return index % (os.cpu_count() or 1)
+
+
+def _in_child(core: int | None):
+    def setup() -> None:
+        _terminate_with_parent()
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+    return setup
+
+
 @dataclass
 class Proc:
     name: str
@@ -126,13 +146,15 @@ class Proc:
             stderr=subprocess.STDOUT,
             env=self.environment(),
             start_new_session=True,  # own process group: teardown can reach every child
-            preexec_fn=None if self.outlive_parent else _terminate_with_parent,
+            preexec_fn=None if self.outlive_parent else _in_child(pinned_core()),
         )
         return self
 
     def environment(self) -> dict[str, str]:
         """The test environment with this process's own entries; an entry set to None is removed."""
-        env = {**os.environ, **ENGINE_ENV, **self.env}
+        core = None if self.outlive_parent else pinned_core()
+        pin = {} if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)}  # vLLM binds its own threads
+        env = {**os.environ, **ENGINE_ENV, **pin, **self.env}
         return {k: v for k, v in env.items() if v is not None}
 
     def log_text(self) -> str:
