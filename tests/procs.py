@@ -26,6 +26,9 @@ READY_TIMEOUT_S = 240.0
 # Deterministic, quiet CPU settings for every engine the tests start.
 ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
+    # the suite runs several engines on 2 cores: their idle readers nap instead of spinning
+    # (engine/patches/idle_poll.py); untuned engines leave it to engine.host_defaults
+    "ASCENDSERVE_SHM_NAP_MS": "0.5",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "HF_HUB_OFFLINE": "1",
@@ -230,7 +233,7 @@ def unlink_segments(names) -> None:
 
 # What a user who passes no tuning flag gets: no engine arguments, and no KV size in the
 # environment (OMP_NUM_THREADS=1 stays: with 2 threads on 2 cores latency is bimodal).
-UNTUNED_ENV = {"VLLM_CPU_KVCACHE_SPACE": None}
+UNTUNED_ENV = {"VLLM_CPU_KVCACHE_SPACE": None, "ASCENDSERVE_SHM_NAP_MS": None}
 
 
 def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | None = None, env: dict | None = None,
@@ -247,7 +250,8 @@ def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | 
 def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm", env: dict | None = None,
                tuned: bool = True) -> Proc:
     """Plain vLLM; tuned=False: vLLM's defaults (dtype auto, compilation on), like an untuned
-    ascendserve engine, and only the KV size from ENGINE_ENV (vLLM's own default cannot start here)."""
+    ascendserve engine, and only the KV size (vLLM's own default cannot start here) and the idle
+    readers' nap from ENGINE_ENV."""
     port = free_port()
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), *(ENGINE_ARGS if tuned else ()), *extra]

