@@ -450,6 +450,7 @@ class _StartupStop:
         if self.signum is not None:
             return  # already stopping: a second signal must not interrupt the cleanup
         self.signum = signum
+        _become_subreaper()
         threading.Thread(target=self._watchdog, name="ascendserve-startup-stop", daemon=True).start()
         raise StartupInterrupted(signum)
 
@@ -470,10 +471,16 @@ class _StartupStop:
     @staticmethod
     def reap(grace_s: float) -> list[int]:
         """SIGTERM this process's descendants (not the resource tracker), SIGKILL what is left after
-        `grace_s` (at once for 0). Returns the pids that had to be killed."""
+        `grace_s` (at once for 0), then SIGKILL any that appeared meanwhile, for up to 2 s.
+        Returns the pids that had to be killed."""
+        import time
+
         import psutil
 
-        procs = [p for p in psutil.Process().children(recursive=True) if _still_running(p)]
+        def descendants():
+            return [p for p in psutil.Process().children(recursive=True) if _still_running(p)]
+
+        procs = descendants()
         for p in procs:
             try:
                 p.terminate() if grace_s else p.kill()
@@ -486,7 +493,30 @@ class _StartupStop:
             except psutil.Error:
                 pass
         psutil.wait_procs(alive, timeout=2.0)
-        return [p.pid for p in alive]
+        killed = [p.pid for p in alive]
+        # a worker that its engine core was still spawning when the signal came appears only now,
+        # re-parented to this process (a subreaper since the signal) rather than to init
+        deadline = time.monotonic() + 2.0
+        while (late := descendants()) and time.monotonic() < deadline:
+            for p in late:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(late, timeout=0.5)
+            killed += [p.pid for p in late]
+        return killed
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process instead of init (Linux
+    PR_SET_CHILD_SUBREAPER), so that a stop still finds and reaps them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
 
 
 async def _run_server(args, stop: _StartupStop, **uvicorn_kwargs) -> None:
