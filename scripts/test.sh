@@ -5,11 +5,11 @@
 #                                         tests, under 3 minutes (the inner loop)
 #   bash scripts/test.sh tests/unit/test_config.py -x    one module
 #   bash scripts/test.sh -n 0 ...         in one process (for --pdb, -s, print debugging)
-# Workers: ASCENDSERVE_TEST_WORKERS=2 runs the suite on two pytest-xdist workers, each taking
+# Workers: two pytest-xdist workers (ASCENDSERVE_TEST_WORKERS, 1 for one process), each taking
 # whole modules (--dist loadscope; tests/conftest.py sends the heaviest first); an -n of your
-# own, or -p no:xdist, replaces that. The default is one process: on this 2-core host two
-# workers' engines saturate both cores, and latency bounds (a repeat within 2x its first run,
-# a stop within 10 s) then fail; see README "Two workers". --quick and --run-wip are options
+# own, or -p no:xdist, replaces that. Two workers' engines share this 2-core host: their idle
+# vLLM readers nap instead of spinning (ASCENDSERVE_SHM_NAP_MS, tests/procs.py), without which
+# latency bounds failed; see README "Run the tests". --quick and --run-wip are options
 # of tests/conftest.py (which decides which tests start a real engine: the real_engine marker).
 # wip tests stay deselected under any -m unless --run-wip or -m names wip.
 set -euo pipefail
@@ -17,10 +17,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${ASCENDSERVE_VENV:-$HOME/.venvs/ascendserve}
 cd "$HERE"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-QUICK=0
-for arg in "$@"; do [ "$arg" = --quick ] && QUICK=1; done
-# --quick starts no engine: two workers halve it; the whole suite: one (above)
-WORKERS=${ASCENDSERVE_TEST_WORKERS:-$(( QUICK ? 2 : 1 ))}
+WORKERS=${ASCENDSERVE_TEST_WORKERS:-2}
 XDIST=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
 for arg in "$@"; do
     case $arg in

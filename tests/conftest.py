@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -7,15 +9,40 @@ from pathlib import Path
 import pytest
 
 
-def _build(kind: str) -> Path:
-    """The session's tiny model of `kind`, built once for all workers in the session's shared
-    directory: session-wide engines serve it by its path, which is also its model name."""
-    from tests.shared_engines import shared_dir, shared_lock
+MODEL_CACHE_ENV = "ASCENDSERVE_TEST_MODEL_CACHE"
 
-    out = shared_dir() / "models" / f"tiny-{kind}"
-    with shared_lock(f"model-{kind}"):
+
+def model_cache() -> Path:
+    """Where the tiny models live between sessions (ASCENDSERVE_TEST_MODEL_CACHE, else
+    ~/.cache/ascendserve-tests/models)."""
+    value = os.environ.get(MODEL_CACHE_ENV)
+    return Path(value) if value else Path.home() / ".cache" / "ascendserve-tests" / "models"
+
+
+def _model_key(kind: str) -> str:
+    """What the tiny model of `kind` is made from: its builder's source and torch's version
+    (the seeded generator's stream). The same key is the same bytes."""
+    import hashlib
+    from importlib.metadata import version
+    from importlib.util import find_spec
+
+    digest = hashlib.sha256(Path(find_spec("ascendserve.models.tiny").origin).read_bytes())
+    digest.update(f"{kind}\0{version('torch')}".encode())
+    return digest.hexdigest()[:12]
+
+
+def _build(kind: str) -> Path:
+    """The tiny model of `kind`, built once per key for every session and worker on this host
+    (model_cache(); under its flock). Its path is stable, and vLLM keys its compiled graphs by
+    the model's path, so an untuned (compiling) engine on it loads the graph that an earlier
+    session compiled instead of compiling for a minute again (~/.cache/vllm)."""
+    from tests.shared_engines import _flock
+
+    out = model_cache() / f"tiny-{kind}-{_model_key(kind)}"
+    with _flock(out.with_name(out.name + ".lock")):
         if not (out / "config.json").exists():
             part = out.with_name(out.name + ".part")
+            shutil.rmtree(part, ignore_errors=True)  # an interrupted build
             subprocess.run(
                 [sys.executable, "-m", "ascendserve", "model", "tiny", "--kind", kind, "--out", str(part)],
                 check=True, capture_output=True, timeout=300,
