@@ -69,8 +69,14 @@ def free_port_run(count: int = 1, offsets: tuple[int, ...] = (), derived: bool =
     room = len(digits) - span + 1
     if room <= 0:
         raise RuntimeError(f"{workers} workers leave no room for ports spanning {span} (a share is {len(digits)})")
-    for _ in range(2000):
-        base = _rng.randrange(LOW // 100, HIGH // 100) * 100 + digits.start + _rng.randrange(room)
+    def candidates():
+        for _ in range(2000):  # random first: two processes of one worker rarely pick the same
+            yield _rng.randrange(LOW // 100, HIGH // 100) * 100 + digits.start + _rng.randrange(room)
+        every = [h * 100 + digits.start + d for h in range(LOW // 100, HIGH // 100) for d in range(room)]
+        _rng.shuffle(every)  # then every base, so that a crowded share still yields what it has
+        yield from every
+
+    for base in candidates():
         wanted = [base + i for i in range(count)] + [base + o for o in extra]
         if _usable(wanted, digits):
             _issued.update(wanted)

@@ -15,6 +15,14 @@ from tests import memory, ports
 from tests.procs import REPO, engine_ranks
 
 
+@pytest.fixture(autouse=True)
+def _own_port_ledger(monkeypatch):
+    """These tests hand out ports as other workers would, by the thousand; what they hand out
+    is not kept from the servers this worker's later tests start (seen: under two workers the
+    real share ran dry)."""
+    monkeypatch.setattr(ports, "_issued", set(ports._issued))
+
+
 def _ports_of(worker: int, workers: int, n: int, monkeypatch) -> list[int]:
     monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
