@@ -480,29 +480,24 @@ class _StartupStop:
         def descendants():
             return [p for p in psutil.Process().children(recursive=True) if _still_running(p)]
 
+        def signal_all(procs, kill: bool) -> None:
+            for p in procs:
+                try:
+                    p.kill() if kill else p.terminate()
+                except psutil.Error:
+                    pass
+
         procs = descendants()
-        for p in procs:
-            try:
-                p.terminate() if grace_s else p.kill()
-            except psutil.Error:
-                pass
+        signal_all(procs, kill=not grace_s)
         _, alive = psutil.wait_procs(procs, timeout=grace_s) if grace_s else ([], procs)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        signal_all(alive, kill=True)
         psutil.wait_procs(alive, timeout=2.0)
         killed = [p.pid for p in alive]
         # a worker that its engine core was still spawning when the signal came appears only now,
         # re-parented to this process (a subreaper since the signal) rather than to init
         deadline = time.monotonic() + 2.0
         while (late := descendants()) and time.monotonic() < deadline:
-            for p in late:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
+            signal_all(late, kill=True)
             psutil.wait_procs(late, timeout=0.5)
             killed += [p.pid for p in late]
         return killed
