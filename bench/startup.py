@@ -5,7 +5,14 @@
 --bundle DIR also times every ascendserve case from an unpacked release
 tree (DIR/bin/ascendserve, ./build.sh's output) next to the venv.
 
-Ready = /v1/models answers 200. Control-plane commands (`--role proxy
+Ready = /v1/models answers 200. Besides the roles as they start by default:
+"engine core spawned" is the same pd with ASCENDSERVE_ENGINE_CORE_START=spawn
+(vLLM's CPU start, before engine/patches/core_fork.py); the untuned pd (no
+--enforce-eager: vLLM compiles) starts twice on an empty compile cache of its
+own, compiling the first time and loading what it saved the second
+(engine/patches/aot_load.py; without it every start compiles); the floor is
+one process importing vLLM's engine core, which every start pays at least once.
+Control-plane commands (`--role proxy
 --help`, `version`) are timed as whole processes: they must never import
 torch or vLLM, so they stay well under a second.
 """
@@ -13,6 +20,7 @@ torch or vLLM, so they stay well under a second.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -79,9 +87,21 @@ def main() -> None:
         models = build_models(root)
         logs = root / "logs"
         logs.mkdir()
+        cache, fresh = root / "vllm-cache", itertools.count()
+
+        def compile_cache() -> str:
+            """Empty at every start of the compiling case; its first start fills `cache`."""
+            n = next(fresh)
+            return str(cache if n == 0 else root / f"vllm-cache-{n}")
         cases = {
             "plain vLLM (text, peer)": lambda: plain_vllm(models["text"], logs),
             "pd (text)": lambda: ascendserve("pd", models["text"], logs),
+            "pd (text), engine core spawned": lambda: ascendserve(
+                "pd", models["text"], logs, name="pd-spawn", env={"ASCENDSERVE_ENGINE_CORE_START": "spawn"}),
+            "pd (text, untuned), compiling": lambda: ascendserve(
+                "pd", models["text"], logs, name="pd-untuned", tuned=False, env={"VLLM_CACHE_ROOT": compile_cache()}),
+            "pd (text, untuned), its graph saved": lambda: ascendserve(
+                "pd", models["text"], logs, name="pd-untuned-again", tuned=False, env={"VLLM_CACHE_ROOT": str(cache)}),
             "prefill (text)": lambda: ascendserve("prefill", models["text"], logs, "--kv-path", str(root / "kv")),
             "decode (text)": lambda: ascendserve("decode", models["text"], logs, "--kv-path", str(root / "kv")),
             "plain vLLM (vl, peer)": lambda: plain_vllm(models["vl"], logs, name="vllm-vl"),
@@ -99,6 +119,8 @@ def main() -> None:
         if args.only:
             cases = {n: m for n, m in cases.items() if "plain vLLM" in n or any(o in n for o in args.only)}
         engine = {name: statistics.median(time_ready(make) for _ in range(args.repeat)) for name, make in cases.items()}
+        engine["import vLLM's engine core (floor)"] = time_command(
+            [sys.executable, "-c", "import vllm.v1.engine.core"], args.repeat)
     cli = {
         "ascendserve --role proxy --help": time_command([sys.executable, "-m", "ascendserve", "--role", "proxy", "--help"], 5),
         "ascendserve version": time_command([sys.executable, "-m", "ascendserve", "version"], 5),

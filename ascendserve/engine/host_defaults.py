@@ -10,12 +10,15 @@ therefore gets, unless a setting says otherwise:
 - an explicit KV cache (vLLM's --kv-cache-memory-bytes) sized from what the
   model needs (16 sequences of max_model_len tokens) and what the host has free,
   shared by the `engine.host_engines` engines starting on it (`all` sets that);
-- when those engines have more processes (an engine core and a worker per TP
-  rank each) than this process may run on cores, ASCENDSERVE_SHM_NAP_MS, so that
-  vLLM's idle readers nap instead of spinning a core each
-  (engine/patches/idle_poll.py; measured here: three engines on two cores
-  served a mixed load in 4.7 s instead of 9.8 s, worst request 0.29 s instead
-  of 2.4 s);
+- ASCENDSERVE_SHM_NAP_MS: vLLM's idle shared-memory readers nap instead of
+  spinning a core each for a second after every step
+  (engine/patches/idle_poll.py). The spin saves microseconds a step on a GPU;
+  on a CPU host it takes the cores that the host's other engine processes (or
+  this engine's own API server) need: measured here, three engines on two
+  cores served a mixed load in 4.7 s instead of 9.8 s, worst request 0.29 s
+  instead of 2.4 s; an engine alone keeps its median. Every CPU host gets it,
+  not only those where `host_engines` says several engines share the cores:
+  engines started by hand, each unaware of the others, starved each other;
 - ASCENDSERVE_ENGINE_CORE_START=fork: vLLM's engine core is forked from the API
   server instead of spawned, so it does not import torch and vLLM a second
   time (engine/patches/core_fork.py; measured here: ready in 18-22 s instead
@@ -23,8 +26,9 @@ therefore gets, unless a setting says otherwise:
 
 An explicit setting always wins: engine.kv_cache_memory_bytes,
 engine.gpu_memory_utilization, VLLM_CPU_KVCACHE_SPACE, ASCENDSERVE_SHM_NAP_MS
-(0 keeps vLLM's spin), ASCENDSERVE_ENGINE_CORE_START (spawn keeps vLLM's), or the same vLLM flags passed through. A start-up that cannot fit fails here, in one line naming the
-setting to change, before vLLM starts. No torch or vLLM import: the facts come
+(0 keeps vLLM's spin), ASCENDSERVE_ENGINE_CORE_START (spawn keeps vLLM's), or
+the same vLLM flags passed through. A start-up that cannot fit fails here, in
+one line naming the setting to change, before vLLM starts. No torch or vLLM import: the facts come
 from /dev, /proc and the model's config.json.
 """
 
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,37 +117,18 @@ def _passthrough_keys(config: Config) -> set[str]:
 
 
 SHM_NAP_MS = "0.5"  # a waiting reader's nap, after 20 ms without a step: at most that per request
+CORE_START = "fork"
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def shm_nap_env(config: Config, *, cpu: bool | None = None, cores: int | None = None) -> dict[str, str]:
-    """ASCENDSERVE_SHM_NAP_MS for this engine's processes, on a CPU host whose engines
-    (engine.host_engines, each an engine core and a worker per TP rank, times the ranks of
-    internal data parallelism) outnumber its cores;
-    {} when set already (the user's value stays), elsewhere, or where they fit."""
-    if idle_poll.ENV in environ() or not (is_cpu_host() if cpu is None else cpu):
+def process_env(*, cpu: bool | None = None) -> dict[str, str]:
+    """How an engine's processes behave on a CPU host: its idle shared-memory readers nap
+    (ASCENDSERVE_SHM_NAP_MS) and its engine core is forked (ASCENDSERVE_ENGINE_CORE_START);
+    a variable the user set stays as it is, and accelerator hosts keep vLLM's ways."""
+    if not (is_cpu_host() if cpu is None else cpu):
         return {}
-    e = config.engine
-    cores_of_one = 1 + e.tensor_parallel_size  # its engine core and one worker per TP rank
-    internal_dp = e.data_parallel_size if e.data_parallel_rank is None else 1
-    processes = e.host_engines * internal_dp * cores_of_one
-    if processes <= (usable_cores() if cores is None else cores):
-        return {}
-    return {idle_poll.ENV: SHM_NAP_MS}
-
-
-def core_start_env(*, cpu: bool | None = None) -> dict[str, str]:
-    """ASCENDSERVE_ENGINE_CORE_START=fork for an engine on a CPU host; {} when set already
-    (the user's value stays) or on an accelerator host."""
-    if core_fork.ENV in environ() or not (is_cpu_host() if cpu is None else cpu):
-        return {}
-    return {core_fork.ENV: "fork"}
+    ours = {idle_poll.ENV: SHM_NAP_MS, core_fork.ENV: CORE_START}
+    mine = environ()
+    return {k: v for k, v in ours.items() if k not in mine}
 
 
 def _gib(n: float) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ascendserve.config import Config, ConfigError, redact_args
-from ascendserve.engine.host_defaults import core_start_env, engine_dtype, memory_args, shm_nap_env
+from ascendserve.engine.host_defaults import engine_dtype, memory_args, process_env
 from ascendserve.logging import get_logger, vllm_dictconfig
 
 # Settings the role owns; passing them through would silently change the role.
@@ -233,8 +233,7 @@ def prepare_environment(config: Config) -> dict[str, str]:
         # Connectors in vLLM's worker processes read the token from here, not
         # from the engine config, which vLLM logs.
         "ASCENDSERVE_CLUSTER_TOKEN": config.cluster.token,
-        **shm_nap_env(config),
-        **core_start_env(),
+        **process_env(),
     }
 
 

@@ -111,6 +111,17 @@ def loaded(proc, connector: str) -> float:
     return metric(proc, "ascendserve:ec_hits_total")
 
 
+def ec_story(*procs) -> str:
+    """The EC lines of these instances' logs (saves, fetches, waits, store errors): what a
+    failed hand-off assertion shows, since the logs themselves go with the session's tmp."""
+    pattern = re.compile(r"EC |encoder output|EC store|ec_transfer|promised", re.I)
+    parts = []
+    for p in procs:
+        lines = [line[:300] for line in p.log_text().splitlines() if pattern.search(line)]
+        parts.append(f"--- {p.name}: {len(lines)} EC lines, the last 30:\n" + "\n".join(lines[-30:]))
+    return "\n".join(parts)
+
+
 def ec_segments(procs=()) -> set[str]:
     """The EC regions in /dev/shm of this test process's clusters: those it named (they end in
     its pid) and the receive buffers of the instances' processes (named by their pid). Another
@@ -288,7 +299,8 @@ def test_1e1p1d_with_no_tuning_flags_serves_users(untuned_epd):
         assert timed_chat(proxy.url, model, msgs)[0] == timed_chat(oracle.url, model, msgs)[0]
         items = len(msgs[0]["content"]) - 1
         assert encoder_served(c["encoder"]) == served + 1, "the encoder hop did not happen"
-        assert loaded(c["prefill"], "shm") == hits + items, "P encoded instead of loading the encoder's output"
+        assert loaded(c["prefill"], "shm") == hits + items, \
+            f"P encoded instead of loading the encoder's output\n{ec_story(c['encoder'], c['prefill'])}"
     check_same_image_repeated(proxy, oracle.url, model, messages(data_url(png_bytes(120, 90, seed + 4))))
     images = [data_url(png_bytes(96, 72, seed + 5 + i)) for i in range(2)]
     for name, chats in shared_prefix_image_chats(seed + 10, images).items():
@@ -322,7 +334,8 @@ def test_1e1pd_equals_plain_vllm(epd):
         assert chat_ids(proxy.url, model, msgs) == expected
         assert encoder_served(encoder) == served + 1, "the encoder hop did not happen (single dispatch)"
         items = len(msgs[0]["content"]) - 1
-        assert loaded(pd, c["connector"]) == hits + items, "PD encoded instead of loading the encoder's output"
+        assert loaded(pd, c["connector"]) == hits + items, \
+            f"PD encoded instead of loading the encoder's output\n{ec_story(encoder, pd)}"
     served = encoder_served(encoder)
     text_only = [{"role": "user", "content": "Just text, no picture here."}]
     assert chat_ids(proxy.url, model, text_only) == chat_ids(oracle.url, model, text_only)
@@ -341,7 +354,8 @@ def test_1e1p1d_fanout_equals_plain_vllm(epd):
         items = len(msgs[0]["content"]) - 1
         assert chat_ids(proxy.url, model, msgs) == chat_ids(oracle.url, model, msgs)
         assert encoder_served(encoder) == served + items, "fan-out: one encoder request per item"
-        assert loaded(prefill, c["connector"]) == hits + items, "P encoded instead of loading the encoder's output"
+        assert loaded(prefill, c["connector"]) == hits + items, \
+            f"P encoded instead of loading the encoder's output\n{ec_story(encoder, prefill)}"
     text_only = [{"role": "user", "content": "Only words travel through prefill and decode."}]
     assert chat_ids(proxy.url, model, text_only) == chat_ids(oracle.url, model, text_only)
 

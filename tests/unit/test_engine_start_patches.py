@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from ascendserve.engine.host_defaults import core_start_env  # noqa: E402
+from ascendserve.engine.host_defaults import process_env  # noqa: E402
 from ascendserve.engine.patches import aot_load, core_fork  # noqa: E402
 
 FORK = {core_fork.ENV: "fork"}
@@ -106,10 +106,10 @@ def test_the_installed_vllm_starts_engine_cores_through_the_patched_function(mon
 
 def test_host_defaults_fork_engine_cores_on_cpu_hosts_only(monkeypatch):
     monkeypatch.delenv(core_fork.ENV, raising=False)
-    assert core_start_env(cpu=True) == FORK
-    assert core_start_env(cpu=False) == {}
+    assert process_env(cpu=True)[core_fork.ENV] == "fork"
+    assert core_fork.ENV not in process_env(cpu=False)
     monkeypatch.setenv(core_fork.ENV, "spawn")  # the user's value stays
-    assert core_start_env(cpu=True) == {}
+    assert core_fork.ENV not in process_env(cpu=True)
 
 
 def test_vllms_loader_can_finish_loading_torchs_aot_bundle():
@@ -154,3 +154,30 @@ def test_aot_fix_is_inert_where_torch_or_vllm_agree():
     assert not hasattr(Lacks, "finalize_loading")
     assert aot_load.apply(Lacks, loader_with) == ["Lacks.finalize_loading"]
     assert Lacks().finalize_loading(None) is None
+
+
+def _listeners_in_child(q) -> None:
+    q.put(sorted(c.laddr.port for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN))
+
+
+def test_a_forked_engine_core_lets_go_of_the_parents_listening_sockets():
+    """Else an engine core outliving a crashed API server would keep its HTTP port bound."""
+    import socket
+
+    with socket.socket() as server, socket.socket() as control:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        q = core_fork.FORK.Queue()
+        child = core_fork.FORK.Process(target=_listeners_in_child, args=(q,))
+        child.start()
+        assert q.get(timeout=30) == []
+        child.join(30)
+        assert child.exitcode == 0
+        plain = multiprocessing.get_context("fork")  # what an unpatched fork keeps: the check can tell
+        child = plain.Process(target=_listeners_in_child, args=(q,))
+        child.start()
+        assert server.getsockname()[1] in q.get(timeout=30)
+        child.join(30)
+        control.connect(server.getsockname())  # the parent's socket still listens
+        accepted, _ = server.accept()
+        accepted.close()

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-import types
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from ascendserve.engine.host_defaults import shm_nap_env  # noqa: E402
+from ascendserve.engine.host_defaults import process_env  # noqa: E402
 from ascendserve.engine.patches import idle_poll  # noqa: E402
 
 QUIET_S = 0.6
@@ -120,21 +119,9 @@ def test_a_spin_condition_without_the_reader_state_is_refused():
     assert not hasattr(Other.wait, idle_poll.PATCHED)
 
 
-def _config(host_engines=1, tp=1, dp=1, dp_rank=None):
-    engine = types.SimpleNamespace(host_engines=host_engines, tensor_parallel_size=tp,
-                                   data_parallel_size=dp, data_parallel_rank=dp_rank)
-    return types.SimpleNamespace(engine=engine)
-
-
-def test_host_defaults_nap_only_where_engine_processes_outnumber_cores(monkeypatch):
+def test_host_defaults_nap_on_every_cpu_host_and_leave_a_users_value(monkeypatch):
     monkeypatch.delenv(idle_poll.ENV, raising=False)
-    nap = {idle_poll.ENV: "0.5"}
-    assert shm_nap_env(_config(), cpu=True, cores=2) == {}  # one engine core + one worker
-    assert shm_nap_env(_config(host_engines=2), cpu=True, cores=2) == nap  # `all` 1P1D
-    assert shm_nap_env(_config(host_engines=2), cpu=True, cores=4) == {}
-    assert shm_nap_env(_config(tp=2), cpu=True, cores=2) == nap
-    assert shm_nap_env(_config(dp=2), cpu=True, cores=3) == nap  # internal DP: both ranks here
-    assert shm_nap_env(_config(dp=2, dp_rank=0), cpu=True, cores=3) == {}  # one external rank
-    assert shm_nap_env(_config(host_engines=8), cpu=False, cores=2) == {}  # GPU/NPU: vLLM's spin
+    assert process_env(cpu=True)[idle_poll.ENV] == "0.5"  # one engine alone too: its neighbours are unknown
+    assert idle_poll.ENV not in process_env(cpu=False)  # GPU/NPU: vLLM's spin
     monkeypatch.setenv(idle_poll.ENV, "0")  # the user's value, even 0, stays
-    assert shm_nap_env(_config(host_engines=8), cpu=True, cores=2) == {}
+    assert idle_poll.ENV not in process_env(cpu=True)

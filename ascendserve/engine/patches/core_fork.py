@@ -21,7 +21,9 @@ workers, and vLLM's data-parallel coordinator, keep vLLM's start method.
 multiprocessing's resource tracker is started by the API server before the
 fork, as it is before a spawn, so that it outlives the engine core's process
 tree, which vLLM kills when it stops: a tracker started by the engine core
-died with it and left vLLM's /dev/shm queues behind.
+died with it and left vLLM's /dev/shm queues behind. The forked engine core
+lets go of the listening sockets it inherits (the HTTP port): else, outliving
+a crashed API server, it would keep the port, and a restart could not bind it.
 Feature-tested: installed only where that module starts its processes through
 a `get_mp_context` of its own; otherwise apply() raises and nothing changes.
 """
@@ -61,11 +63,49 @@ def forking(get_mp_context):
             # core started would be in the process tree that vLLM SIGKILLs when it stops, and
             # its queues' /dev/shm segments would stay
             resource_tracker.ensure_running()
-            return multiprocessing.get_context("fork")
+            return FORK
         return context
 
     setattr(wrapper, PATCHED, True)
     return wrapper
+
+
+def release_listeners() -> list[int]:
+    """In a forked child: let go of the listening TCP sockets inherited from the parent (the API
+    server's HTTP port, a NetLoader seed's), so that they close when the parent does and are not
+    held by a child that outlives it. Each fd is pointed at /dev/null rather than closed: the
+    parent's socket objects, copied into this process, may close their fd number later, and it
+    must not be one this process reused. Never shutdown(): the socket is the parent's too."""
+    import psutil
+
+    try:
+        fds = sorted({c.fd for c in psutil.Process().net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN and c.fd >= 0})
+    except (psutil.Error, OSError):
+        return []
+    if fds:
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            for fd in fds:
+                os.dup2(null, fd)
+        finally:
+            os.close(null)
+    return fds
+
+
+class _EngineCoreProcess(multiprocessing.context.ForkProcess):
+    def run(self):
+        release_listeners()
+        super().run()
+
+
+class _ForkContext(multiprocessing.context.ForkContext):
+    """The fork context, with children that first let go of the parent's listening sockets."""
+
+    Process = _EngineCoreProcess
+
+
+FORK = _ForkContext()
 
 
 def apply(module=None, environ=os.environ, is_cpu: bool | None = None) -> list[str]:
