@@ -8,10 +8,11 @@ tree (DIR/bin/ascendserve, ./build.sh's output) next to the venv.
 Ready = /v1/models answers 200. Besides the roles as they start by default:
 "engine core spawned" is the same pd with ASCENDSERVE_ENGINE_CORE_START=spawn
 (vLLM's CPU start, before engine/patches/core_fork.py); the untuned pd (no
---enforce-eager: vLLM compiles) starts twice on an empty compile cache of its
-own, compiling the first time and loading what it saved the second
-(engine/patches/aot_load.py; without it every start compiles); the floor is
-one process importing vLLM's engine core, which every start pays at least once.
+--enforce-eager: vLLM compiles) starts twice on a compile cache of its own,
+empty at the first start (vLLM 0.32 under torch 2.13 cannot load what it
+saved: the second start compiles again, README "Engine defaults on a CPU
+host"); the floor is one process importing vLLM's engine core, which every
+start pays at least once.
 Control-plane commands (`--role proxy
 --help`, `version`) are timed as whole processes: they must never import
 torch or vLLM, so they stay well under a second.

@@ -78,12 +78,7 @@ def test_all_mono_serves_restarts_a_crashed_engine_and_stops_clean(tmp_path):
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine_tree)
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == first_ids
-        log = (tmp_path / "all.err").read_text()
-        assert "child exited; restarting" in log
-        # the demo engine compiles (no --enforce-eager): its restart loads the graph its first start
-        # saved instead of compiling again (engine/patches/aot_load.py), and serves the same tokens
-        assert "Compiling model again due to a load failure" not in log
-        assert "Directly load AOT compilation" in log
+        assert "child exited; restarting" in (tmp_path / "all.err").read_text()
 
         everything = tree(proc.pid)
         assert len(everything) >= 4  # metaserver, engine (+ vLLM core), proxy

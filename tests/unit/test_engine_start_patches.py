@@ -4,9 +4,7 @@
   (on a CPU platform, when asked), and nothing else changes; the real module's
   manager is the one that asks for the context. That an engine role's engine core
   really is a fork and its workers spawned: tests/integration/test_pd_role.py.
-* aot_load: torch's bundle class gets the finalize_loading that vLLM's loader calls.
-  That an engine restarted on the same model loads its compiled graph instead of
-  compiling again, and serves the same tokens: tests/integration/test_all_role.py.
+* the forked child lets go of the parent's listening sockets.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from ascendserve.engine.host_defaults import process_env  # noqa: E402
-from ascendserve.engine.patches import aot_load, core_fork  # noqa: E402
+from ascendserve.engine.patches import core_fork  # noqa: E402
 
 FORK = {core_fork.ENV: "fork"}
 
@@ -110,50 +108,6 @@ def test_host_defaults_fork_engine_cores_on_cpu_hosts_only(monkeypatch):
     assert core_fork.ENV not in process_env(cpu=False)
     monkeypatch.setenv(core_fork.ENV, "spawn")  # the user's value stays
     assert core_fork.ENV not in process_env(cpu=True)
-
-
-def test_vllms_loader_can_finish_loading_torchs_aot_bundle():
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as bundle
-    from vllm.compilation.decorators import _try_load_aot_compiled_fn
-
-    # the call this fix exists for: vLLM's loader finishes every load with it
-    assert "finalize_loading" in _try_load_aot_compiled_fn.__code__.co_names
-    before = bundle.__dict__.get("finalize_loading")
-    assert before in (None, aot_load._finalize_loading)  # this torch lacks it: without the fix loads fail
-    try:
-        if before is not None:
-            del bundle.finalize_loading  # the plugin patched this process already
-        assert aot_load.apply() == ["BundledAOTAutogradSerializableCallable.finalize_loading"]
-        assert bundle.finalize_loading is aot_load._finalize_loading
-        assert aot_load.apply() == []  # idempotent
-    finally:
-        if before is None:
-            del bundle.finalize_loading
-        else:
-            bundle.finalize_loading = before
-
-
-def test_aot_fix_is_inert_where_torch_or_vllm_agree():
-    class HasIt:
-        def finalize_loading(self, vllm_config):
-            return "torch's own"
-
-    def loader_with(model, path):
-        return model._artifacts.compiled_fn.finalize_loading(None)
-
-    def loader_without(model, path):
-        return model._artifacts.compiled_fn
-
-    assert aot_load.apply(HasIt, loader_with) == []
-    assert HasIt().finalize_loading(None) == "torch's own"
-
-    class Lacks:
-        pass
-
-    assert aot_load.apply(Lacks, loader_without) == []
-    assert not hasattr(Lacks, "finalize_loading")
-    assert aot_load.apply(Lacks, loader_with) == ["Lacks.finalize_loading"]
-    assert Lacks().finalize_loading(None) is None
 
 
 def _listeners_in_child(q) -> None:

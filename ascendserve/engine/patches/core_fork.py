@@ -24,6 +24,9 @@ tree, which vLLM kills when it stops: a tracker started by the engine core
 died with it and left vLLM's /dev/shm queues behind. The forked engine core
 lets go of the listening sockets it inherits (the HTTP port): else, outliving
 a crashed API server, it would keep the port, and a restart could not bind it.
+It also starts the watch that kills it when the API server is gone
+(launch.children.die_with_parent), which the vLLM plugin starts in every
+process vLLM spawns and which, a thread, does not survive a fork.
 Feature-tested: installed only where that module starts its processes through
 a `get_mp_context` of its own; otherwise apply() raises and nothing changes.
 """
@@ -95,7 +98,12 @@ def release_listeners() -> list[int]:
 
 class _EngineCoreProcess(multiprocessing.context.ForkProcess):
     def run(self):
+        # what the vLLM plugin does in a process vLLM starts and a fork does not inherit: the
+        # watch that SIGKILLs the process once its parent is gone (a thread: threads do not fork)
+        from ascendserve.launch.children import die_with_parent
+
         release_listeners()
+        die_with_parent()
         super().run()
 
 
