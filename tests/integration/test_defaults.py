@@ -21,7 +21,7 @@ import pytest
 
 from ascendserve.launch.children import kill_group
 from tests.procs import ENGINE_ENV, UNTUNED_ENV, all_role_port, ascendserve, start_all
-from tests.traffic import check_user_traffic
+from tests.traffic import BF16_TIE_NATS, check_user_traffic
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ def test_pd_role_with_no_flags_serves_users(user_model, oracle, tmp_path):
         argv = next(json.loads(line)["vllm_args"] for line in pd.log_text().splitlines()
                     if '"starting vLLM"' in line)
         assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv
-        check_user_traffic(pd.url, oracle.url, str(user_model))
+        check_user_traffic(pd.url, oracle.url, str(user_model), tie_nats=BF16_TIE_NATS)
     finally:
         pd.stop()
 
@@ -106,7 +106,7 @@ def test_all_1p1d_with_a_users_model_and_no_flags(user_model, oracle, tmp_path, 
     proc, url, log = _start_all_role(user_model, tmp_path, *(["--mode", "push"] if mode == "push" else []))
     try:
         _wait_ready(proc, log)
-        sent = check_user_traffic(url, oracle.url, str(user_model))
+        sent = check_user_traffic(url, oracle.url, str(user_model), tie_nats=BF16_TIE_NATS)
         # every request's KV came over from P: nothing stalled into a recompute
         received = _events(log, "KV received") if mode == "push" else _events(log, "KV pulled")
         assert len(received) >= sent, f"{len(received)} KV hand-offs for {sent} requests"

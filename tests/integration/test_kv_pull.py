@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.procs import ascendserve, completion_ids, concurrent_ids, control, kv_usage, start_all, wait_for
-from tests.traffic import (assert_greedy, check_mixed, check_repeats, check_shared_prefixes, check_user_traffic,
-                           completion_body, text)
+from tests.traffic import (BF16_TIE_NATS, assert_greedy, check_mixed, check_repeats, check_shared_prefixes,
+                           check_user_traffic, completion_body, text)
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-test-token"
@@ -217,11 +217,11 @@ def test_untuned_pull_serves_user_traffic(untuned_pull_cluster):
                 if '"starting vLLM"' in line)
     assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv  # compiled, KV sized by the host
     before = pulls(c)
-    sent = check_user_traffic(c["proxy"].url, c["oracle"].url, c["model"], seed=9)
+    sent = check_user_traffic(c["proxy"].url, c["oracle"].url, c["model"], seed=9, tie_nats=BF16_TIE_NATS)
     assert pulls(c) == before + sent, "a request of the untuned cluster was recomputed on D"
     for name in ("1-token", "thousands"):
         prompt = {"1-token": "a", "thousands": "".join(f"Line {i}: the quick brown fox. " for i in range(100))}[name]
         assert_greedy(ids(c["proxy"].url, c["model"], prompt), ids(c["oracle"].url, c["model"], prompt), c["oracle"].url,
-                      completion_body(c["model"], prompt, MAX_TOKENS), name)
+                      completion_body(c["model"], prompt, MAX_TOKENS), name, BF16_TIE_NATS)
     wait_for(lambda: kv_usage(c["prefill"]) == 0.0 and kv_usage(c["decode"]) == 0.0, 30,
              "KV blocks still allocated after the requests finished")

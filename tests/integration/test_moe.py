@@ -22,7 +22,7 @@ import pytest
 
 from tests.procs import (ENGINE_ARGS, PYTHON, Proc, ascendserve, completion_ids, control,
                          free_port, free_port_run, plain_vllm, start_all, wait_for)
-from tests.traffic import check_user_traffic
+from tests.traffic import BF16_TIE_NATS, assert_greedy, check_user_traffic, completion_body
 
 pytestmark = pytest.mark.integration
 TOKEN = "moe-test-token"
@@ -135,9 +135,11 @@ def test_untuned_1p1d_serves_user_traffic(untuned_moe_1p1d):
                 if '"starting vLLM"' in line)
     assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv
     for prompt in PROMPTS:
-        assert _ids(c["proxy"].url, c["model"], prompt) == _ids(c["plain"].url, c["model"], prompt), prompt
+        assert_greedy(_ids(c["proxy"].url, c["model"], prompt), _ids(c["plain"].url, c["model"], prompt),
+                      c["plain"].url, {**completion_body(str(c["model"]), prompt, MAX_TOKENS), "ignore_eos": True}, prompt,
+                      BF16_TIE_NATS)
     before = _pulled(c["decode"])
-    sent = check_user_traffic(c["proxy"].url, c["plain"].url, str(c["model"]), seed=13)
+    sent = check_user_traffic(c["proxy"].url, c["plain"].url, str(c["model"]), seed=13, tie_nats=BF16_TIE_NATS)
     assert _pulled(c["decode"]) == before + sent, "decode recomputed instead of pulling P's KV"
 
 

@@ -29,7 +29,7 @@ from tests.integration.test_epd import (chat_ids, check_same_image_repeated, dat
                                         shared_prefix_image_chats)
 from tests.procs import ENGINE_ARGS, PYTHON, Proc, ascendserve, completion_ids, control, free_port, start_all, wait_for
 from tests.traffic import chat as timed_chat
-from tests.traffic import check_user_traffic
+from tests.traffic import BF16_TIE_NATS, check_user_traffic
 
 pytestmark = pytest.mark.integration
 TOKEN = "netloader-test-token"
@@ -222,7 +222,7 @@ def test_untuned_joiner_serves_user_traffic(text_model, untuned_text_oracle, tmp
         start_all(joiner)
         assert "weights received" in joiner.log_text() and "loading the weights from disk instead" not in \
             joiner.log_text()
-        check_user_traffic(joiner.url, untuned_text_oracle.url, str(text_model), seed=51)
+        check_user_traffic(joiner.url, untuned_text_oracle.url, str(text_model), seed=51, tie_nats=BF16_TIE_NATS)
     finally:
         joiner.stop()
         seed.stop()

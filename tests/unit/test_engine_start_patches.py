@@ -110,28 +110,40 @@ def test_host_defaults_fork_engine_cores_on_cpu_hosts_only(monkeypatch):
     assert core_fork.ENV not in process_env(cpu=True)
 
 
-def _listeners_in_child(q) -> None:
-    q.put(sorted(c.laddr.port for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN))
+def _sockets_in_child(q, fd) -> None:
+    import socket
+
+    try:
+        probe = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        q.put(None)
+        return
+    try:
+        q.put(probe.getsockname()[1] if probe.family == socket.AF_INET else None)
+    finally:
+        probe.close()
 
 
-def test_a_forked_engine_core_lets_go_of_the_parents_listening_sockets():
-    """Else an engine core outliving a crashed API server would keep its HTTP port bound."""
+def test_a_forked_engine_core_lets_go_of_the_parents_sockets():
+    """Else an engine core outliving a crashed API server would keep its HTTP port bound: vLLM binds
+    it before it starts the engine core and listens once the engine is up."""
     import socket
 
     with socket.socket() as server, socket.socket() as control:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
+        server.bind(("127.0.0.1", 0))  # bound, not listening yet: as vLLM's when the engine core starts
+        port = server.getsockname()[1]
         q = core_fork.FORK.Queue()
-        child = core_fork.FORK.Process(target=_listeners_in_child, args=(q,))
+        child = core_fork.FORK.Process(target=_sockets_in_child, args=(q, server.fileno()))
         child.start()
-        assert q.get(timeout=30) == []
+        assert q.get(timeout=30) is None  # the fd number is /dev/null there
         child.join(30)
         assert child.exitcode == 0
         plain = multiprocessing.get_context("fork")  # what an unpatched fork keeps: the check can tell
-        child = plain.Process(target=_listeners_in_child, args=(q,))
+        child = plain.Process(target=_sockets_in_child, args=(q, server.fileno()))
         child.start()
-        assert server.getsockname()[1] in q.get(timeout=30)
+        assert q.get(timeout=30) == port
         child.join(30)
-        control.connect(server.getsockname())  # the parent's socket still listens
+        server.listen()  # the parent's socket is whole
+        control.connect(("127.0.0.1", port))
         accepted, _ = server.accept()
         accepted.close()

@@ -53,3 +53,16 @@ def test_lengths_and_an_unsteady_oracle_fail(oracle, monkeypatch):
 def test_assert_greedy_names_what_differs(oracle):
     with pytest.raises(AssertionError, match="shared prefix: first difference at token 2"):
         traffic.assert_greedy([5, 6, 1, 8], ORACLE, "http://oracle", BODY, "shared prefix")
+
+
+def test_the_bf16_allowance_is_wider_and_still_bounded(oracle):
+    ours = [5, 6, 1, 8]  # token 2: 1 is 1.5 nats behind the oracle's 7
+    assert traffic.greedy_mismatch([5, 6, 7, 8], ORACLE, "http://oracle", BODY, traffic.BF16_TIE_NATS) is None
+    assert traffic.greedy_mismatch(ours, ORACLE, "http://oracle", BODY, traffic.BF16_TIE_NATS)
+    # 0.8 nats: past both allowances; 0.03: within both
+    assert traffic.greedy_mismatch([5, 4, 7, 8], ORACLE, "http://oracle", BODY, traffic.BF16_TIE_NATS)
+    assert traffic.greedy_mismatch([5, 3, 7, 8], ORACLE, "http://oracle", BODY, traffic.BF16_TIE_NATS) is None
+    tops = [{5: -2.38, 110: -2.79}, *TOPS[1:]]  # the MoE case measured here: 0.41 nat, first token
+    traffic.oracle_choices = lambda url, body, top=5: (list(ORACLE), tops)
+    assert traffic.greedy_mismatch([110, 0, 0, 0], ORACLE, "http://oracle", BODY, traffic.BF16_TIE_NATS) is None
+    assert traffic.greedy_mismatch([110, 0, 0, 0], ORACLE, "http://oracle", BODY)  # not in float32

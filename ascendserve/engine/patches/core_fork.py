@@ -22,8 +22,9 @@ multiprocessing's resource tracker is started by the API server before the
 fork, as it is before a spawn, so that it outlives the engine core's process
 tree, which vLLM kills when it stops: a tracker started by the engine core
 died with it and left vLLM's /dev/shm queues behind. The forked engine core
-lets go of the listening sockets it inherits (the HTTP port): else, outliving
-a crashed API server, it would keep the port, and a restart could not bind it.
+lets go of the TCP sockets it inherits (the HTTP port, bound before vLLM
+starts the engine core): else, outliving a crashed API server, it would keep
+the port, and a restart could not bind it.
 It also starts the watch that kills it when the API server is gone
 (launch.children.die_with_parent), which the vLLM plugin starts in every
 process vLLM spawns and which, a thread, does not survive a fork.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import socket
 import sys
 from multiprocessing import resource_tracker
 
@@ -73,19 +75,16 @@ def forking(get_mp_context):
     return wrapper
 
 
-def release_listeners() -> list[int]:
-    """In a forked child: let go of the listening TCP sockets inherited from the parent (the API
-    server's HTTP port, a NetLoader seed's), so that they close when the parent does and are not
-    held by a child that outlives it. Each fd is pointed at /dev/null rather than closed: the
-    parent's socket objects, copied into this process, may close their fd number later, and it
-    must not be one this process reused. Never shutdown(): the socket is the parent's too."""
-    import psutil
-
-    try:
-        fds = sorted({c.fd for c in psutil.Process().net_connections("inet")
-                      if c.status == psutil.CONN_LISTEN and c.fd >= 0})
-    except (psutil.Error, OSError):
-        return []
+def release_sockets() -> list[int]:
+    """In a forked child: let go of the TCP sockets inherited from the parent. The API server's
+    HTTP socket is bound but not yet listening when vLLM starts its engine core (it listens once
+    the engine is up), and it is the same socket in both processes: kept here, a child outliving
+    a crashed API server would hold the port, and a restart could not bind it. Its connections
+    (to the metaserver, a NetLoader seed's) are the parent's too. Each fd is pointed at
+    /dev/null rather than closed: the parent's socket objects, copied into this process, may
+    close their fd number later, and it must not be one this process reused. Never shutdown():
+    the socket is the parent's too. vLLM's engine core makes its own sockets (ZMQ, gloo)."""
+    fds = [fd for fd in _socket_fds() if _is_tcp(fd)]
     if fds:
         null = os.open(os.devnull, os.O_RDWR)
         try:
@@ -96,19 +95,47 @@ def release_listeners() -> list[int]:
     return fds
 
 
+def _socket_fds() -> list[int]:
+    """This process's file descriptors that are sockets (bound-only ones included, which
+    /proc/net/tcp, and so psutil, does not list)."""
+    out = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return sorted(out)
+
+
+def _is_tcp(fd: int) -> bool:
+    try:
+        probe = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return probe.family in (socket.AF_INET, socket.AF_INET6) and probe.type == socket.SOCK_STREAM
+    finally:
+        probe.close()  # the dup only
+
+
 class _EngineCoreProcess(multiprocessing.context.ForkProcess):
     def run(self):
         # what the vLLM plugin does in a process vLLM starts and a fork does not inherit: the
         # watch that SIGKILLs the process once its parent is gone (a thread: threads do not fork)
         from ascendserve.launch.children import die_with_parent
 
-        release_listeners()
+        release_sockets()
         die_with_parent()
         super().run()
 
 
 class _ForkContext(multiprocessing.context.ForkContext):
-    """The fork context, with children that first let go of the parent's listening sockets."""
+    """The fork context, with children that first let go of the parent's TCP sockets."""
 
     Process = _EngineCoreProcess
 
