@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +144,9 @@ class Proc:
             raise RuntimeError(f"{self.name} is already running (pid {self.popen.pid}): a second start would "
                                "leave the first process behind")
         self.reserve_memory()
+        if str(self.env.get("VLLM_RPC_BASE_PATH") or "").startswith(PLAIN_IPC_PREFIX):
+            remove_plain_ipc_dir(self.env["VLLM_RPC_BASE_PATH"])
+            os.makedirs(self.env["VLLM_RPC_BASE_PATH"], mode=0o700)
         self._log = open(self.log_path, "ab")  # a restart appends
         core = None if self.outlive_parent else pinned_core()
         self.popen = subprocess.Popen(
@@ -216,6 +220,7 @@ class Proc:
         self.popen.wait(5)
         self._log.close()
         unlink_segments(tp_shm)
+        remove_plain_ipc_dir(self.env.get("VLLM_RPC_BASE_PATH"))
 
 
 def tp_segments(names: set[str]) -> set[str]:
@@ -256,7 +261,22 @@ def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm", env:
     port = free_port()
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), *(ENGINE_ARGS if tuned else ()), *extra]
-    return Proc(name, argv, port, log_dir / f"{name}.log", env or {})
+    # its ZMQ sockets in a directory of its own, removed at its stop (vLLM leaves those of the
+    # workers it force-kills in /tmp; our engine roles do the same for themselves)
+    return Proc(name, argv, port, log_dir / f"{name}.log", {"VLLM_RPC_BASE_PATH": str(plain_ipc_dir(port)),
+                                                            **(env or {})})
+
+
+PLAIN_IPC_PREFIX = "/tmp/asf-vllm-ipc-"
+
+
+def plain_ipc_dir(port: int) -> Path:
+    return Path(f"{PLAIN_IPC_PREFIX}{port}")
+
+
+def remove_plain_ipc_dir(path: str | None) -> None:
+    if path and path.startswith(PLAIN_IPC_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def stub(role: str, log_dir: Path, *extra: str, name: str | None = None) -> Proc:

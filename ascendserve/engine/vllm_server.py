@@ -8,8 +8,10 @@ of vLLM's server internals lives in `_run()` below and nowhere else.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -214,6 +216,33 @@ def parallel_args(config: Config) -> list[str]:
     return args
 
 
+# A unix socket's path holds at most 107 bytes; vLLM's names are "<dir>/<uuid4>" (36).
+_SUN_PATH_MAX = 107
+
+
+def ipc_dir(config: Config) -> Path | None:
+    """Where this instance's vLLM processes bind their ZMQ IPC sockets: a directory of its
+    own, `ipc-<instance id>` under runtime_dir (or, when that path is too long for a socket
+    name, `asf-ipc-<hash of it>` in the temp dir); None (vLLM's default, the temp dir itself)
+    when the user set VLLM_RPC_BASE_PATH. vLLM binds a dozen sockets per engine there and
+    does not unlink those of the workers it force-kills at shutdown, nor any of a killed
+    instance: one directory per instance, the same for its restarts, is removed whole."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return None
+    path = Path(config.runtime_dir).absolute() / f"ipc-{config.instance_id}"
+    if len(os.fsencode(path)) + 1 + 36 <= _SUN_PATH_MAX:
+        return path
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
+    return Path(os.environ.get("TMPDIR") or "/tmp") / f"asf-ipc-{digest}"
+
+
+def _fresh_ipc_dir(path: Path) -> None:
+    """An empty directory at `path`: what a killed predecessor with this instance id (same
+    role, host and port, so not running now) left there goes."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, mode=0o700)
+
+
 def prepare_environment(config: Config) -> dict[str, str]:
     """Environment vLLM reads in this process and inherits into its children."""
     run_dir = Path(config.runtime_dir)
@@ -222,7 +251,11 @@ def prepare_environment(config: Config) -> dict[str, str]:
     log_file.write_text(
         json.dumps(vllm_dictconfig(config.role or "", config.instance_id, config.log.level, config.log.format))
     )
+    ipc = ipc_dir(config)
+    if ipc is not None:
+        _fresh_ipc_dir(ipc)
     return {
+        **({"VLLM_RPC_BASE_PATH": str(ipc)} if ipc is not None else {}),
         "VLLM_CONFIGURE_LOGGING": "1",
         "VLLM_LOGGING_CONFIG_PATH": str(log_file),
         "VLLM_LOGGING_LEVEL": config.log.level.upper(),
@@ -252,6 +285,8 @@ def serve(config: Config) -> int:
         if seed is not None:
             seed.stop()
         Path(env["VLLM_LOGGING_CONFIG_PATH"]).unlink(missing_ok=True)
+        if "VLLM_RPC_BASE_PATH" in env:
+            shutil.rmtree(env["VLLM_RPC_BASE_PATH"], ignore_errors=True)
         _release_ec_regions(held)
 
 

@@ -382,7 +382,8 @@ def test_same_image_again_skips_the_encoder(epd):
     assert chat_ids(c["proxy_1e1p1d"].url, model, second) == chat_ids(c["oracle"].url, model, second)
     assert encoder_served(c["encoder"]) == served, "the encoder was asked for an item the store already held"
     assert metric(c["proxy_1e1p1d"], "ascendserve_proxy_encoder_skips_total") >= 1
-    assert loaded(c["prefill"], c["connector"]) == hits + 1, "P did not load the stored item"
+    assert loaded(c["prefill"], c["connector"]) == hits + 1, "P did not load the stored item\n" + \
+        ec_story(c["encoder"], c["prefill"])
 
 
 def test_store_restarted_empty(epd):
@@ -410,7 +411,7 @@ def test_store_restarted_empty(epd):
     assert encoder_served(c["encoder"]) == served + 1, "the store is empty: the encoder must be asked"
     if c["connector"] == "store":
         # the encoder had it in its own cache and republished it; P loaded it
-        assert loaded(c["prefill"], c["connector"]) == hits + 1
+        assert loaded(c["prefill"], c["connector"]) == hits + 1, ec_story(c["encoder"], c["prefill"])
 
 
 # ---- users' traffic ------------------------------------------------------------------------
@@ -472,7 +473,8 @@ def test_shared_prefixes_with_different_images(epd):
                     f"{proxy.name}, shared {name}"
                 if name == "system prompt":  # each image is new here: encoded once, loaded once
                     assert encoder_served(c["encoder"]) == served + 1, f"{proxy.name}, shared {name}"
-                    assert loaded(consumer(c, proxy), c["connector"]) == hits + 1, f"{proxy.name}, shared {name}"
+                    assert loaded(consumer(c, proxy), c["connector"]) == hits + 1, \
+                        f"{proxy.name}, shared {name}\n" + ec_story(c["encoder"], consumer(c, proxy))
 
 
 def test_chat_with_an_image_streamed(epd):

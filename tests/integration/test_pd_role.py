@@ -6,6 +6,7 @@ import json
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -106,6 +107,12 @@ def test_zz_sigterm_stops_engine_processes(pd):
     """Runs last in this module: it stops the shared instance, with a connection still open."""
     children = pd.descendants()
     assert any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in children), children
+    # vLLM's ZMQ sockets live in the instance's own directory, which the stop removes (vLLM left
+    # a dozen socket files per engine in /tmp: those of the workers it force-kills)
+    config = next(json.loads(line)["config"] for line in pd.log_text().splitlines()
+                  if '"effective config"' in line)
+    ipc = Path(config["runtime_dir"]).absolute() / f"ipc-{config['instance_id']}"
+    assert any(e.is_socket() for e in ipc.iterdir()), list(ipc.iterdir())
     # a client that keeps a request half sent: uvicorn's graceful shutdown waited for it for ever
     held = socket.create_connection(("127.0.0.1", pd.port))
     held.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -121,3 +128,4 @@ def test_zz_sigterm_stops_engine_processes(pd):
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.2)
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    assert not ipc.exists(), sorted(e.name for e in ipc.iterdir())

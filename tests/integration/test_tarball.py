@@ -86,8 +86,12 @@ def _clean_env(base: Path) -> dict:
 
 
 @pytest.fixture
-def clean_env(tmp_path) -> dict:
-    return _clean_env(tmp_path)
+def clean_env(tmp_path):
+    env = _clean_env(tmp_path)
+    yield env
+    # not left to atexit alone: an xdist worker's exit skipped it, and each test's TMPDIR
+    # kept its compile caches and vLLM's sockets (150 MB) in /tmp
+    shutil.rmtree(env["TMPDIR"], ignore_errors=True)
 
 
 def _run(release: Path, env: dict, cwd: Path, *args: str, timeout: float = 60) -> tuple[str, float]:
@@ -200,14 +204,18 @@ def user_model(release, tmp_path_factory) -> Path:
     """A tiny model of the user's own (not the demo's), written by the bundle's `model tiny`."""
     base = tmp_path_factory.mktemp("user-model")
     out = base / "models" / "tiny-qwen"
-    _run(release, _clean_env(base), base / "cwd", "model", "tiny", "--out", str(out), "--seed", "7", timeout=180)
+    env = _clean_env(base)
+    try:
+        _run(release, env, base / "cwd", "model", "tiny", "--out", str(out), "--seed", "7", timeout=180)
+    finally:
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     assert (out / "config.json").is_file()
     return out
 
 
 @pytest.mark.memory_gib(4.0)  # the bundle's P and D (the reference is a tests.procs.Proc: reserved apart)
-def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, tmp_path):
-    env = _clean_env(tmp_path)
+def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, clean_env, tmp_path):
+    env = clean_env
     cwd = tmp_path / "cwd"
     model = str(user_model)
     # the reference: plain vLLM from the environment the bundle was frozen from, default mode too

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +107,49 @@ def test_consumer_refuses_a_processor_cache(model_dir, how):
         argv_for("pd", model_dir, ec__enabled=True, **how)
     argv = argv_for("pd", model_dir, ec__enabled=True, engine__vllm_args=["--mm-processor-cache-gb=0"])
     assert option(argv, "--mm-processor-cache-gb") == "0"
+
+
+def _config(model_dir, runtime_dir, role="pd", port=8123):
+    return load(role, None, {"model__path": model_dir, "runtime_dir": str(runtime_dir), "server__port": port},
+                env={})
+
+
+def test_vllm_binds_its_ipc_sockets_in_a_directory_of_the_instance(model_dir, tmp_path, monkeypatch):
+    """vLLM leaves the sockets of workers it force-kills (and all of a killed instance) in the
+    temp dir: each instance gets a directory of its own, emptied at start, removed at stop."""
+    from ascendserve.engine.vllm_server import ipc_dir, prepare_environment
+
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    run = tmp_path / "run"
+    if len(str(run)) > 40:  # pytest's tmp_path is long; the short runtime dirs users have
+        run = Path(tempfile.mkdtemp(prefix="asf-t", dir="/tmp"))
+    config = _config(model_dir, run)
+    where = ipc_dir(config)
+    assert where == (run / f"ipc-{config.instance_id}").absolute()
+    where.mkdir(parents=True)
+    (where / "0b7c9a8e-left-by-a-killed-predecessor").write_text("")
+    env = prepare_environment(config)
+    assert env["VLLM_RPC_BASE_PATH"] == str(where)
+    assert where.is_dir() and not any(where.iterdir())
+    other = _config(model_dir, run, port=8124)
+    assert ipc_dir(other) != where  # instances on one host never share (nor empty) each other's
+    if run != tmp_path / "run":
+        shutil.rmtree(run)
+
+
+def test_ipc_sockets_stay_where_the_user_says_or_go_to_a_short_path(model_dir, tmp_path, monkeypatch):
+    from ascendserve.engine.vllm_server import ipc_dir, prepare_environment
+
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path / "mine"))
+    assert ipc_dir(_config(model_dir, tmp_path)) is None
+    assert "VLLM_RPC_BASE_PATH" not in prepare_environment(_config(model_dir, tmp_path))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    deep = tmp_path / ("d" * 60)  # + /ipc-<instance id>/<uuid4> passes a socket name's 107 bytes
+    short_tmp = Path(tempfile.mkdtemp(prefix="asf-t", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(short_tmp))
+    where = ipc_dir(_config(model_dir, deep))
+    short_tmp.rmdir()
+    assert where.parent == short_tmp and where.name.startswith("asf-ipc-")
+    assert where == ipc_dir(_config(model_dir, deep))  # a restart finds its predecessor's
+    assert where != ipc_dir(_config(model_dir, deep, port=8124))
+    assert len(str(where / ("0" * 36))) <= 107

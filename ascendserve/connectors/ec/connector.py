@@ -498,8 +498,16 @@ class AscendECConnector(ECConnectorBase):
         if check and store.info(mm_hash) is not None:
             return
         logger.debug("EC save %s (%d bytes, republish=%s)", mm_hash, data.nbytes, check)
+        started = time.monotonic()
         if not store.put(mm_hash, data, dtype, shape):
             logger.warning("EC store refused %s (%d bytes)", mm_hash, data.nbytes)
+            return
+        took = time.monotonic() - started
+        if took > self.s.wait_s / 2:
+            logger.warning("EC save of %s took %.1f s: a consumer waits %.1f s for it (ec.wait_s), then encodes "
+                           "it itself", mm_hash, took, self.s.wait_s)
+        else:
+            logger.debug("EC saved %s in %.1f ms", mm_hash, took * 1000)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
         meta = self._get_connector_metadata()
