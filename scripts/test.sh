@@ -5,11 +5,10 @@
 #                                         tests, under 3 minutes (the inner loop)
 #   bash scripts/test.sh tests/unit/test_config.py -x    one module
 #   bash scripts/test.sh -n 0 ...         in one process (for --pdb, -s, print debugging)
-# Workers: ASCENDSERVE_TEST_WORKERS=2 runs the whole suite on two pytest-xdist workers, each
-# taking whole modules (--dist loadscope; tests/conftest.py sends the heaviest first); an -n of
-# your own, or -p no:xdist, replaces that. --quick runs on two by default, the whole suite in
-# one process: on two, its multi-rank MoE cluster still missed a latency bound once (README
-# "Run the tests"). --quick and --run-wip are options
+# Workers: two pytest-xdist workers by default (ASCENDSERVE_TEST_WORKERS sets the number, 1:
+# one process), each taking whole modules (--dist loadscope; tests/conftest.py sends the
+# heaviest first); an -n of your own, or -p no:xdist, replaces that (-n 0 for --pdb, -s).
+# --quick and --run-wip are options
 # of tests/conftest.py (which decides which tests start a real engine: the real_engine marker).
 # wip tests stay deselected under any -m unless --run-wip or -m names wip.
 set -euo pipefail
@@ -17,9 +16,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${ASCENDSERVE_VENV:-$HOME/.venvs/ascendserve}
 cd "$HERE"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-QUICK=0
-for arg in "$@"; do [ "$arg" = --quick ] && QUICK=1; done
-WORKERS=${ASCENDSERVE_TEST_WORKERS:-$(( QUICK ? 2 : 1 ))}
+WORKERS=${ASCENDSERVE_TEST_WORKERS:-2}
 XDIST=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
 for arg in "$@"; do
     case $arg in

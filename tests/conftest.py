@@ -224,8 +224,8 @@ def pytest_collection_modifyitems(config, items):
 
 # --- Two workers (pytest-xdist, scripts/test.sh) ---------------------------------------------
 #
-# scripts/test.sh runs `-n 2 --dist loadscope --no-loadscope-reorder` for --quick (and for the
-# whole suite with ASCENDSERVE_TEST_WORKERS=2, not its default: README): a worker takes a whole
+# scripts/test.sh runs `-n 2 --dist loadscope --no-loadscope-reorder` (ASCENDSERVE_TEST_WORKERS
+# changes the number, README): a worker takes a whole
 # module at a time (xdist's scope of a test function), so a module's fixtures start once, on
 # one worker. (`--dist loadgroup` would group across modules, but xdist 3.8 cannot set its group
 # suffix on pytest 9.2's node ids: every test would go out alone.) Modules go out in collection
