@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ascendserve.config import Config
 from ascendserve.discovery.heartbeat import Heartbeat
-from ascendserve.engine.vllm_server import serve
+from ascendserve.engine.vllm_server import exit_now, interrupted_during_startup, serve
 from ascendserve.launch.children import reap_children
 from ascendserve.launch.shm_ledger import ShmLedger
 from ascendserve.logging import get_logger
@@ -27,7 +27,7 @@ def run_engine(config: Config) -> int:
                               config.metaserver.heartbeat_interval_s, seed_registration(config),
                               tls_ca=config.cluster.tls_ca).start()
     try:
-        return serve(config)
+        code = serve(config)
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -36,3 +36,6 @@ def run_engine(config: Config) -> int:
         if killed:
             log.warning("killed engine processes that outlived the server", pids=killed)
         log.info("stopped")
+    if interrupted_during_startup():
+        exit_now(code)  # nothing of vLLM's half-built state is worth an interpreter finalization
+    return code

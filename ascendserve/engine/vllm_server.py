@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -394,11 +395,41 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
             pass
 
 
+_interrupted_during_startup = False
+
+
+def interrupted_during_startup() -> bool:
+    """Whether this process's vLLM was stopped by a signal before it served (serve() returned)."""
+    return _interrupted_during_startup
+
+
+def exit_now(code: int) -> None:
+    """End this process once its own cleanup is done, skipping the interpreter's finalization.
+
+    After a stop during start-up, vLLM's half-built state is torn down by module finalization,
+    where a daemon thread can no longer run: CI saw a pd role log "stopped" and then not exit
+    for 7.7 s (its supervisor killed it; _StartupStop's watchdog never got to run). atexit
+    callbacks (multiprocessing's, logging's flush) still run; then stdio is flushed."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
+
+
 def _run(argv: list[str]) -> int:
+    global _interrupted_during_startup
     stop = _StartupStop()
     try:
         return _run_vllm(argv, stop)
     except StartupInterrupted as exc:
+        _interrupted_during_startup = True
         get_logger("ascendserve.engine").info("stopped during start-up", signal=signal.Signals(exc.signum).name)
         return 0
 

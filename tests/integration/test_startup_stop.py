@@ -87,14 +87,37 @@ def _assert_no_shm_left(watch: ShmWatch, wait_s: float = 5.0) -> None:
     assert not watch.left(), f"left in /dev/shm: {watch.left()} (of {len(seen)} seen)"
 
 
+SLOW_EXIT = """\
+import os, time
+class _SlowFinalizer:
+    def __del__(self):
+        time.sleep(60)
+if os.environ.pop("ASF_TEST_SLOW_EXIT", None):  # this process only, not its children
+    _held = _SlowFinalizer()
+"""
+
+
+def _slow_interpreter_exit(tmp_path: Path) -> dict[str, str]:
+    """Environment under which the started process's interpreter finalization takes 60 s (a
+    module global's finalizer, run after daemon threads stop running): what CI saw once, a pd
+    role that logged "stopped" during start-up and then did not exit for 7.7 s."""
+    site = tmp_path / "slow-exit-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_EXIT)
+    path = os.environ.get("PYTHONPATH")
+    return {"ASF_TEST_SLOW_EXIT": "1", "PYTHONPATH": str(site) + (os.pathsep + path if path else "")}
+
+
 @pytest.mark.memory_gib(2.0)  # tests/memory.py: the engine starts without tests.procs
 @pytest.mark.parametrize("delay_s", [0.0, 3.0])
 def test_an_engine_role_stops_within_10_s_of_sigterm_during_start_up(text_model, tmp_path, delay_s):
     """SIGTERM as soon as vLLM's engine core runs, and a little later (loading, compiling): vLLM's own
-    start-up handler's KeyboardInterrupt was swallowed there and the instance came up regardless."""
+    start-up handler's KeyboardInterrupt was swallowed there and the instance came up regardless.
+    The role's interpreter is made slow to finalize: the stop must not wait on that."""
     port = free_port()
     proc, watch = _start([sys.executable, "-m", "ascendserve", "--role", "pd", "--model", str(text_model), "--port",
-                   str(port), "--runtime-dir", str(tmp_path / "run"), "--log-format", "json"], tmp_path / "pd.log")
+                   str(port), "--runtime-dir", str(tmp_path / "run"), "--log-format", "json"], tmp_path / "pd.log",
+                   **_slow_interpreter_exit(tmp_path))
     try:
         tree = _wait_for_vllm_engine(proc.pid)
         time.sleep(delay_s)
