@@ -182,11 +182,17 @@ def test_shm_segment_names_leave_dev_shm_once_decode_has_mapped_them():
 
 
 def test_mooncake_segments_coalesce_runs():
-    dst, src, lengths = segments([1000, 5000], [0, 100000], 10, 10, remote=[3, 4, 5, 9], local=[0, 1, 2, 7])
-    assert src == [1030, 1090, 5030, 5090] and dst == [0, 70, 100000, 100070] and lengths == [30, 10, 30, 10]
+    def geometry(base, heads, page_heads_outermost=True):
+        # pages of `heads` heads x 1 token x 5 bytes, heads outermost (the CPU layout)
+        return {"bases": [base, base + 10_000], "order": "khn", "extent": {"k": 1, "h": heads, "n": 1},
+                "stride": {"k": heads * 5, "h": 5, "n": 5}, "content": 5, "block_stride": heads * 5}
+
+    dst, src, lengths = segments(geometry(1000, 2), geometry(0, 2), remote_blocks=[3, 4, 5, 9], local_blocks=[0, 1, 2, 7])
+    assert src == [1030, 1090, 11030, 11090] and dst == [0, 70, 10000, 10070] and lengths == [30, 10, 30, 10]
     # one head run per page: P pages of 4 heads x 5 bytes, D pages of 2 heads x 5 bytes
-    dst, src, lengths = segments([1000], [0], 20, 10, remote=[3, 4], local=[0, 1], head_bytes=5, heads=(2, 0, 2))
-    assert src == [1070, 1090] and dst == [0, 10] and lengths == [10, 10]
+    dst, src, lengths = segments(geometry(1000, 4), geometry(0, 2), remote_blocks=[3, 4], local_blocks=[0, 1],
+                                 heads=(2, 0, 2))
+    assert src[:2] == [1070, 1090] and dst[:2] == [0, 10] and lengths[:2] == [10, 10]
 
 
 def test_free_that_arrives_before_the_hold_is_not_lost(pair):

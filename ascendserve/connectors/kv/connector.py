@@ -57,7 +57,9 @@ class AscendKVConnector(KVConnectorBase_V1):
 
     # ---- worker side -----------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        # the manager's block count: views of kernel blocks hold a multiple of it
+        num_blocks = getattr(getattr(self, "_kv_cache_config", None), "num_blocks", None)
+        self._worker.register_kv_caches(kv_caches, num_blocks=num_blocks if isinstance(num_blocks, int) else None)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if (meta := self._meta()) is not None:

@@ -1,26 +1,61 @@
-"""vLLM's registered KV caches seen as uniform pages, with bulk gather/scatter.
+"""vLLM's registered KV caches seen as pages, whatever their physical layout.
 
-On vLLM's CPU backend each attention layer is one tensor
-[num_blocks, kv_heads, block_size, 2 * head_size] (K and V packed), so a
-block is one contiguous page per layer; CUDA/NPU backends that keep K and V
-apart register them as separate tensors and are pages the same way. Pages
-are opaque bytes: producer and consumer must agree on `layout()`, which the
-side channel checks at the handshake.
+vLLM 0.32 hands every attention backend's cache to a connector as one view per
+layer, logically [B, H, N, C] (blocks, KV heads, tokens per block, content:
+K and V packed, or one MLA latent with H = 1) over a backing allocation whose
+physical order is any permutation of [L, B, H, N, C] (`KVCacheLayout`:
+LBHNC on CPU, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC), possibly with padded pages
+and with manager blocks split into kernel blocks (then B is K times the
+number of blocks). This module reads that description from the views' own
+strides, never from a backend's shape:
+
+- a page is one block of one layer, logically [K, H, N, C] (K kernel blocks);
+  a head range of a page is a set of runs: one contiguous run when the heads
+  are outermost in the page (the CPU layout), else a regular strided set;
+- bytes travel in the page's physical order (the runs in memory order), so
+  both sides must lay pages out alike: the handshake exchanges `layout()` and
+  `layout_mismatch` (transport/base.py) refuses pages that would be misread,
+  naming both layouts;
+- in a cross-layer layout (B outside L) a block of every layer is one piece of
+  memory, and whole-page reads move it as one (`request_views`).
+
+CPU memory only: device caches (cuda, npu) are refused with that reason.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 
 import numpy as np
 import torch
 
+from ascendserve.connectors.kv import page_geometry
 from ascendserve.ops import gather_pages, scatter_pages
+
+# vLLM's KVCacheLayout names, by the physical order of the logical axes
+LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+
+def _byte_storage(t: torch.Tensor) -> np.ndarray:
+    """The whole allocation behind `t` as writable uint8 numpy memory."""
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return flat.numpy()
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 4:
+        return t
+    if t.dim() == 3:  # [B, N, C]: one latent per token (MLA) without a head axis
+        return t.unsqueeze(1)
+    raise ValueError(f"a KV cache view must be [blocks, heads, tokens, content] (4D), got {tuple(t.shape)}")
 
 
 class PagedKV:
-    def __init__(self, kv_caches: dict[str, torch.Tensor]):
+    """Pages of every registered layer. `num_blocks`: the manager's block count, when the views
+    hold kernel blocks (B = K * num_blocks); default: the views' first dimension."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None):
         seen: set[int] = set()
         self.names: list[str] = []
         self.layers: list[torch.Tensor] = []
@@ -34,84 +69,196 @@ class PagedKV:
                 self.layers.append(t)
         if not self.layers:
             raise ValueError("no KV cache tensors registered")
-        shapes = {tuple(t.shape[1:]) for t in self.layers}
-        dtypes = {t.dtype for t in self.layers}
-        blocks = {t.shape[0] for t in self.layers}
-        if len(shapes) != 1 or len(dtypes) != 1 or len(blocks) != 1:
-            raise ValueError(f"KV layers differ in page shape/dtype/blocks: {shapes} {dtypes} {blocks}")
-        self.page_shape = shapes.pop()
+        devices = {t.device.type for t in self.layers}
+        if devices != {"cpu"}:
+            raise ValueError(f"KV caches on {', '.join(sorted(devices))}: ascendserve's KV connectors "
+                             "move CPU caches only in this version")
+        views = [_as_4d(t) for t in self.layers]
+        shapes = {tuple(v.shape) for v in views}
+        dtypes = {v.dtype for v in views}
+        strides = {tuple(v.stride()) for v in views}
+        if len(shapes) != 1 or len(dtypes) != 1 or len(strides) != 1:
+            raise ValueError(f"KV layers differ in shape, dtype or strides: {shapes} {dtypes} {strides}")
+        b0, h, n, c = shapes.pop()
         self.dtype = dtypes.pop()
-        self.num_blocks = blocks.pop()
-        self.page_bytes = math.prod(self.page_shape) * self.layers[0].element_size()
+        e = self.layers[0].element_size()
+        sb, sh, sn, sc = (s * e for s in strides.pop())
+        if sc != e and c > 1:
+            raise ValueError(f"the content axis of a KV view must be contiguous (stride {sc // e})")
+        k = 1
+        if num_blocks is not None and num_blocks != b0:
+            if num_blocks < 1 or b0 % num_blocks:
+                raise ValueError(f"{b0} kernel blocks per layer do not split into {num_blocks} blocks")
+            k = b0 // num_blocks
+        self.num_blocks = b0 // k
+        self.kernel_blocks, self.num_heads, self.block_tokens, self.content_bytes = k, h, n, c * e
         self.num_layers = len(self.layers)
-        # vLLM's CPU layout puts the KV heads outermost in a page, so a run of heads is
-        # one contiguous byte range of every page: what heterogeneous TP moves.
-        self.num_heads = self.page_shape[0]
-        self.head_bytes = self.page_bytes // self.num_heads
-        self._views: list[np.ndarray] | None = None
+        # page axes k, h, n, c: extents and byte strides
+        self._extent = {"k": k, "h": h, "n": n, "c": c * e}
+        self._stride = {"k": sb, "h": sh, "n": sn, "c": 1}
+        self.block_stride = sb * k
+        self.head_bytes = k * n * c * e
+        self.page_bytes = h * self.head_bytes
+        self._storage = [_byte_storage(t) for t in self.layers]
+        self._offset = [(t.data_ptr() - t.untyped_storage().data_ptr()) for t in self.layers]
+        self.layer_stride = self._layer_stride()
+        # physical order of the page's axes (outermost first; an axis of extent 1 goes where
+        # its stride puts it: it moves no byte either way)
+        self.page_order = "".join(sorted("khn", key=lambda a: (-self._stride[a], "khn".index(a))))
+        self.cross_layer = self.layer_stride is not None and 0 < self.layer_stride < self.block_stride
+        self.layout_name = self._name()
+
+    # ---- description ---------------------------------------------------------
+    def _layer_stride(self) -> int | None:
+        """Bytes between consecutive layers' block 0 when they share one allocation at a
+        constant distance (vLLM 0.32's packing), else None."""
+        if self.num_layers < 2:
+            return None
+        ptrs = [t.untyped_storage().data_ptr() for t in self.layers]
+        if len(set(ptrs)) != 1:
+            return None
+        steps = {b - a for a, b in zip(self._offset, self._offset[1:])}
+        return steps.pop() if len(steps) == 1 else None
+
+    def _name(self) -> str:
+        """vLLM's KVCacheLayout name of this physical order ("LBHNC" on CPU)."""
+        stride = {"L": float("inf") if self.layer_stride is None else self.layer_stride,
+                  "B": self.block_stride, "H": self._stride["h"], "N": self._stride["n"]}
+        name = "".join(sorted("LBHN", key=lambda a: (-stride[a], "LBHN".index(a)))) + "C"
+        if name in LAYOUT_NAMES:
+            return name
+        extents = {"L": self.num_layers, "H": self.num_heads, "N": self.block_tokens}
+        for alias in LAYOUT_NAMES:  # an axis of extent 1 may sit anywhere: name the listed one it matches
+            if _same_order(name, alias, extents):
+                return alias
+        return name
 
     def layout(self) -> dict:
-        """What both sides must share for pages to mean the same thing (the number of
-        heads per page may differ: P and D can shard heads over different TP sizes)."""
-        return {"layers": len(self.layers), "head_page": list(self.page_shape[1:]), "dtype": str(self.dtype),
+        """What both sides must share for pages to mean the same bytes (the number of heads per
+        page may differ: P and D can shard heads over different TP sizes)."""
+        return {"name": self.layout_name, "page_order": self.page_order, "cross_layer": self.cross_layer,
+                "layers": self.num_layers, "kernel_blocks": self.kernel_blocks,
+                "block_tokens": self.block_tokens, "content_bytes": self.content_bytes,
+                "heads": self.num_heads, "dtype": str(self.dtype),
                 "names": hashlib.sha256("\n".join(self.names).encode()).hexdigest()[:16]}
 
     def nbytes(self, n_blocks: int, heads: int | None = None) -> int:
-        return len(self.layers) * n_blocks * (self.page_bytes if heads is None else heads * self.head_bytes)
-
-    def _bytes_views(self) -> list[np.ndarray]:
-        if self._views is None:
-            self._views = [t.view(torch.uint8).numpy().reshape(self.num_blocks, self.page_bytes)
-                           for t in self.layers]
-        return self._views
-
-    def _index(self, block_ids: list[int]) -> np.ndarray:
-        idx = np.asarray(block_ids, dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.num_blocks):
-            raise ValueError(f"block id out of range 0..{self.num_blocks - 1}")
-        return idx
-
-    def _head_range(self, heads: tuple[int, int]) -> slice:
-        first, n = heads
-        if first < 0 or n < 1 or first + n > self.num_heads:
-            raise ValueError(f"heads {first}..{first + n - 1} out of range 0..{self.num_heads - 1}")
-        return slice(first * self.head_bytes, (first + n) * self.head_bytes)
+        return self.num_layers * n_blocks * (self.page_bytes if heads is None else heads * self.head_bytes)
 
     def layer_index(self) -> dict[str, int]:
         """vLLM layer name -> page layer (layers sharing a cache map to the first one only)."""
         return {n.rsplit("#", 1)[0]: i for i, n in enumerate(self.names) if n.endswith("#0")}
 
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every allocation that holds a layer, once each."""
+        out: dict[int, int] = {}
+        for t in self.layers:
+            storage = t.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+        return list(out.items())
+
+    # ---- runs ------------------------------------------------------------------
+    def _index(self, block_ids) -> np.ndarray:
+        idx = np.asarray(block_ids, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_blocks):
+            raise ValueError(f"block id out of range 0..{self.num_blocks - 1}")
+        return idx
+
+    def _heads(self, heads: tuple[int, int] | None) -> tuple[int, int]:
+        if heads is None:
+            return 0, self.num_heads
+        first, n = heads
+        if first < 0 or n < 1 or first + n > self.num_heads:
+            raise ValueError(f"heads {first}..{first + n - 1} out of range 0..{self.num_heads - 1}")
+        return first, n
+
+    def _split(self, count: int) -> tuple[list[tuple[int, int]], int]:
+        """The page region with `count` heads: (outer axes, run bytes) (page_geometry.split)."""
+        return page_geometry.split(self.page_order, self._extent, self._stride, self._extent["c"], count)
+
+    def run_bytes(self, heads: tuple[int, int] | None = None) -> int:
+        """Bytes of each contiguous run of a page (or of a head range of it)."""
+        return self._split(self._heads(heads)[1])[1]
+
+    def _strided(self, layer: int, heads: tuple[int, int] | None) -> np.ndarray:
+        """Layer `layer` as [num_blocks, *outer axes, run bytes] (heads restricted), in memory order."""
+        first, count = self._heads(heads)
+        outer, run = self._split(count)
+        base = self._storage[layer][self._offset[layer] + first * self._stride["h"]:]
+        shape = (self.num_blocks, *(e for e, _ in outer), run)
+        strides = (self.block_stride, *(s for _, s in outer), 1)
+        return np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+
+    # ---- copies ----------------------------------------------------------------
     def gather_layer(self, layer: int, block_ids: list[int]) -> np.ndarray:
         """A copy of one layer's pages: [len(block_ids), page_bytes]."""
-        return self._bytes_views()[layer][self._index(block_ids)]
+        out = np.empty((len(block_ids), self.page_bytes), dtype=np.uint8)
+        self.gather_layer_into(layer, block_ids, out)
+        return out
 
     def gather_layer_into(self, layer: int, block_ids: list[int], out: np.ndarray,
                           heads: tuple[int, int] | None = None) -> None:
-        """`out`: [len(block_ids), bytes per page (or per head run)]; `heads` = (first, count)
-        takes only those heads of each page."""
-        view, idx = self._bytes_views()[layer], self._index(block_ids)
-        if heads is None:
+        """`out`: [len(block_ids), bytes per page (or per head range)], each page's runs in
+        memory order; `heads` = (first, count) takes only those heads of each page."""
+        view, idx = self._strided(layer, heads), self._index(block_ids)
+        if view.ndim == 2:  # one run per page: the native op
             gather_pages(view, idx, out)
         else:
-            out[:] = view[idx, self._head_range(heads)]
+            out.reshape((len(idx), *view.shape[1:]))[...] = view[idx]
 
     def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray,
                       heads: tuple[int, int] | None = None) -> None:
-        view, idx = self._bytes_views()[layer], self._index(block_ids)
-        if heads is None:
+        view, idx = self._strided(layer, heads), self._index(block_ids)
+        if view.ndim == 2:
             scatter_pages(view, idx, src)
         else:
-            view[idx, self._head_range(heads)] = src
+            view[idx] = src.reshape((len(idx), *view.shape[1:]))
 
+    # ---- zero-copy views -----------------------------------------------------------
     def layer_views(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
-        """The byte ranges of these pages (or of one head run of each) in the cache itself:
-        sockets read and write them with no staging copy."""
-        view, cols = self._bytes_views()[layer], self._head_range(heads) if heads is not None else slice(None)
-        return [memoryview(view[b, cols]) for b in self._index(block_ids)]
+        """The runs of these pages (or of one head range of each) in the cache itself, in
+        transfer order: sockets read and write them with no staging copy."""
+        view, idx = self._strided(layer, heads), self._index(block_ids)
+        inner = list(np.ndindex(view.shape[1:-1]))
+        return [memoryview(view[(int(b), *ix)]) for b in idx for ix in inner]
 
     def page_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[list[memoryview]]:
         """`layer_views` of every layer."""
         return [self.layer_views(i, block_ids, heads) for i in range(self.num_layers)]
 
-    def regions(self) -> list[tuple[int, int]]:
-        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.layers]
+    def whole_blocks(self) -> bool:
+        """Whether a block of every layer is one contiguous piece (a cross-layer layout with
+        no padding between the layers' pages)."""
+        return (self.cross_layer and self.layer_stride == self.page_bytes
+                and self._split(self.num_heads)[0] == [])
+
+    def request_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
+        """Every run a read of these blocks moves, in transfer order: a cross-layer block as
+        one piece for whole pages (`whole_blocks`), else layer by layer. Both sides of a
+        transfer share `layout()`, so they choose alike."""
+        if heads is None and self.whole_blocks():
+            span = self.num_layers * self.page_bytes
+            base = self._storage[0][self._offset[0]:]
+            blocks = np.lib.stride_tricks.as_strided(base, shape=(self.num_blocks, span),
+                                                     strides=(self.block_stride, 1))
+            return [memoryview(blocks[b]) for b in self._index(block_ids)]
+        return [v for layer in self.page_views(block_ids, heads) for v in layer]
+
+    def geometry(self) -> dict:
+        """Where this process's pages are, as numbers (page_geometry.addresses reads it; a
+        transfer engine's peer gets it in the handshake)."""
+        base = [t.untyped_storage().data_ptr() + off for t, off in zip(self.layers, self._offset)]
+        return {"bases": base, "order": self.page_order, "extent": {a: self._extent[a] for a in "khn"},
+                "stride": {a: self._stride[a] for a in "khn"}, "content": self._extent["c"],
+                "block_stride": self.block_stride}
+
+    def run_addresses(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[int]:
+        """Address of each run of `layer_views`, in the same order (for transfer engines)."""
+        self._heads(heads)
+        return page_geometry.addresses(self.geometry(), layer, [int(b) for b in self._index(block_ids)], heads)[0]
+
+def _same_order(a: str, b: str, extents: dict[str, int]) -> bool:
+    """Two layout names order the axes of extent > 1 alike."""
+    keep = [x for x in a if extents.get(x, 2) > 1]
+    return keep == [x for x in b if extents.get(x, 2) > 1]
+

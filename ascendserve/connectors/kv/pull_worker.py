@@ -74,8 +74,8 @@ class PullWorker:
         self.stats = StatsRecorder()
 
     # ---- set-up ----------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict) -> None:
-        self.kv = PagedKV(kv_caches)
+    def register_kv_caches(self, kv_caches: dict, num_blocks: int | None = None) -> None:
+        self.kv = PagedKV(kv_caches, num_blocks)
         mine = make_transport(self.settings.transport, self.kv, self.settings.host)
         self._transports.append(mine)
         self.client = ChannelClient(self.token, self.kv, mine)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
+from ascendserve.connectors.kv.page_geometry import addresses
 from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.kv.pull_plan import PullSettings
 from ascendserve.connectors.kv.push_plan import PushMetadata, PushPlan
@@ -29,7 +30,7 @@ from ascendserve.connectors.kv.stats import StatsRecorder
 from ascendserve.connectors.transport import make_transport
 from ascendserve.connectors.transport.base import TransferError
 from ascendserve.connectors.transport.channel import ChannelServer, _tune
-from ascendserve.connectors.transport.mooncake import page_addresses
+from ascendserve.connectors.transport.mooncake import coalesce
 from ascendserve.connectors.transport.tcp import TcpTransport
 from ascendserve.connectors.transport.threads import unpin_current_thread
 from ascendserve.protocol.frames import FrameError, read_frame, send_frame
@@ -115,9 +116,12 @@ class _Sender:
         if not isinstance(peer, dict):
             raise TransferError("decode does not offer the mooncake transport")
         mc = self.worker.mooncake
-        src = page_addresses([a for a, _ in mc.regions], kv.page_bytes, layer, blocks)
-        dst = page_addresses(peer["bases"], int(peer["page_bytes"]), layer, remote)
-        if mc.engine.batch_transfer_sync_write(peer["session"], src, dst, [kv.page_bytes] * len(blocks)) != 0:
+        src, run = addresses(mc.geometry, layer, blocks, None)
+        dst, peer_run = addresses(peer["geometry"], layer, remote, None)
+        if run != peer_run or len(src) != len(dst):
+            raise TransferError(f"page runs differ: {len(src)} x {run} bytes here, {len(dst)} x {peer_run} on D")
+        dst, src, lengths = coalesce(dst, src, run)
+        if mc.engine.batch_transfer_sync_write(peer["session"], src, dst, lengths) != 0:
             raise TransferError(f"Mooncake write to {peer['session']} failed")
         send_frame(sock, {**header, "written": True})
         return size
@@ -211,8 +215,8 @@ class PushWorker:
         self.mooncake = None
 
     # ---- set-up ----------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict) -> None:
-        self.kv = PagedKV(kv_caches)
+    def register_kv_caches(self, kv_caches: dict, num_blocks: int | None = None) -> None:
+        self.kv = PagedKV(kv_caches, num_blocks)
         self._layers = self.kv.layer_index()
         transport = self.settings.transport
         if transport == "mooncake":

@@ -29,7 +29,7 @@ class TransferError(Exception):
 
 
 class Pages(Protocol):
-    """A paged KV cache seen as uniform pages (connectors/kv/pages.py)."""
+    """A paged KV cache seen as pages of any vLLM layout (connectors/kv/pages.py)."""
 
     page_bytes: int
     num_layers: int
@@ -53,8 +53,14 @@ class Pages(Protocol):
 
     def page_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[list[memoryview]]: ...
 
+    def request_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
+        """Every run a read of these blocks moves, in transfer order."""
+
     def regions(self) -> list[tuple[int, int]]:
-        """(address, bytes) of every layer's cache, for transports that register memory."""
+        """(address, bytes) of every allocation holding a layer, for transports that register memory."""
+
+    def geometry(self) -> dict:
+        """Where the pages are, as numbers (kv/page_geometry.py)."""
 
 
 class Holds(Protocol):

@@ -20,6 +20,7 @@ import threading
 
 import structlog
 
+from ascendserve.connectors.kv.page_geometry import layout_mismatch
 from ascendserve.connectors.transport.base import Holds, Pages, PushSink, TransferError, Transport
 from ascendserve.connectors.transport.threads import unpin_current_thread
 from ascendserve.connectors.transport.tcp import recv_views
@@ -158,8 +159,9 @@ class ChannelServer:
             can_read = "layout" in hello
             if can_read:
                 mine = self.pages.layout()
-                if hello["layout"] != mine:
-                    return self._reject(conn, peer, f"KV layout mismatch: peer {hello['layout']} vs here {mine}")
+                problem = layout_mismatch(hello["layout"], mine)
+                if problem:
+                    return self._reject(conn, peer, problem)
                 name = hello.get("transport", "tcp")
                 transport = self.transports.get(name) if isinstance(name, str) else None
                 if transport is None:

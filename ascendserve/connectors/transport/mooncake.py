@@ -2,9 +2,9 @@
 
 Both sides register every layer's cache with a TransferEngine in
 P2PHANDSHAKE mode (no metadata server). P's handshake answer carries its
-engine session and the base address of each layer; a READ is answered with
-GRANT once the blocks are pinned, D issues one batched read of every
-(layer, run of consecutive blocks) segment, then sends DONE. No staging
+engine session and its page geometry (where each layer's pages and their runs
+are); a READ is answered with GRANT once the blocks are pinned, D issues one
+batched read of every run (adjacent runs merged), then sends DONE. No staging
 copy on either side. Over TCP here (`mooncake-transfer-engine-non-cuda`);
 the RDMA and Ascend builds expose the same API.
 """
@@ -14,39 +14,41 @@ from __future__ import annotations
 import os
 import socket
 
+from ascendserve.connectors.kv.page_geometry import addresses
 from ascendserve.connectors.transport.base import Pages, TransferError, Transport
 from ascendserve.protocol.frames import read_frame, send_frame
 
 
-def _runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
-    """Coalesce block pairs into (remote_start, local_start, count) runs."""
-    runs: list[tuple[int, int, int]] = []
-    for r, lo in zip(remote, local):
-        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == lo:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+def coalesce(dst: list[int], src: list[int], length: int) -> tuple[list[int], list[int], list[int]]:
+    """(dst, src, lengths) of copies of `length` bytes each, adjacent ones on both sides merged."""
+    out_dst: list[int] = []
+    out_src: list[int] = []
+    lengths: list[int] = []
+    for d, s in zip(dst, src):
+        if lengths and out_dst[-1] + lengths[-1] == d and out_src[-1] + lengths[-1] == s:
+            lengths[-1] += length
         else:
-            runs.append((r, lo, 1))
-    return runs
+            out_dst.append(d), out_src.append(s), lengths.append(length)
+    return out_dst, out_src, lengths
 
 
-def segments(remote_bases: list[int], local_bases: list[int], remote_page: int, local_page: int,
-             remote: list[int], local: list[int], head_bytes: int = 0,
+def segments(remote: dict, local: dict, remote_blocks: list[int], local_blocks: list[int],
              heads: tuple[int, int, int] | None = None) -> tuple[list[int], list[int], list[int]]:
-    """(local addresses, remote addresses, lengths) of every copy a transfer needs: runs of
-    whole pages, or with `heads` = (first on P, first here, count) one head run per page."""
+    """(local addresses, remote addresses, lengths) of every copy a transfer needs, from both
+    sides' page geometry (PagedKV.geometry(); equal layouts, checked at the handshake): the
+    runs of whole pages, or with `heads` = (first on P, first here, count) of those heads,
+    runs adjacent on both sides merged."""
     dst, src, lengths = [], [], []
-    for rb, lb in zip(remote_bases, local_bases):
-        if heads is None:
-            for r, lo, n in _runs(remote, local):
-                src.append(rb + r * remote_page)
-                dst.append(lb + lo * local_page)
-                lengths.append(n * remote_page)
-        else:
-            p_first, d_first, n = heads
-            for r, lo in zip(remote, local):
-                src.append(rb + r * remote_page + p_first * head_bytes)
-                dst.append(lb + lo * local_page + d_first * head_bytes)
-                lengths.append(n * head_bytes)
+    p_heads, d_heads = (None, None) if heads is None else ((heads[0], heads[2]), (heads[1], heads[2]))
+    for layer in range(len(local["bases"])):
+        r, run = addresses(remote, layer, remote_blocks, p_heads)
+        lo, local_run = addresses(local, layer, local_blocks, d_heads)
+        if run != local_run or len(r) != len(lo):
+            raise TransferError(f"page runs differ: {len(r)} x {run} bytes on P, {len(lo)} x {local_run} here")
+        d, s, n = coalesce(lo, r, run)
+        dst += d
+        src += s
+        lengths += n
     return dst, src, lengths
 
 
@@ -65,14 +67,13 @@ class MooncakeTransport(Transport):
             raise TransferError(f"Mooncake TransferEngine failed to initialize on {hostname} ({protocol})")
         self.session = f"{hostname}:{self.engine.get_rpc_port()}"
         self.regions = pages.regions()
-        self.page_bytes = pages.page_bytes
+        self.geometry = pages.geometry()
         for addr, size in self.regions:
             if self.engine.register_memory(addr, size) != 0:
                 raise TransferError(f"Mooncake could not register {size} bytes of KV cache")
 
     def offer(self) -> dict:
-        return {"mooncake": {"session": self.session, "bases": [a for a, _ in self.regions],
-                             "page_bytes": self.page_bytes}}
+        return {"mooncake": {"session": self.session, "geometry": self.geometry}}
 
     def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
                    heads: tuple[int, int] | None) -> None:
@@ -84,14 +85,13 @@ class MooncakeTransport(Transport):
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
               local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
         peer = offer.get("mooncake")
-        if not isinstance(peer, dict) or len(peer.get("bases", ())) != len(self.regions):
+        if not isinstance(peer, dict) or not isinstance(peer.get("geometry"), dict):
             raise TransferError("producer does not offer the mooncake transport (start it with transport=mooncake)")
         answer = read_frame(sock, 0)
         if answer["type"] != "GRANT":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
         try:
-            dst, src, lengths = segments(peer["bases"], [a for a, _ in self.regions], int(peer["page_bytes"]),
-                                         pages.page_bytes, remote_blocks, local_blocks, pages.head_bytes, heads)
+            dst, src, lengths = segments(peer["geometry"], self.geometry, remote_blocks, local_blocks, heads)
             rc = self.engine.batch_transfer_sync_read(peer["session"], dst, src, lengths)
         finally:
             send_frame(sock, {"type": "DONE"})
@@ -102,7 +102,3 @@ class MooncakeTransport(Transport):
     def close(self) -> None:
         for addr, _ in self.regions:
             self.engine.unregister_memory(addr)
-
-
-def page_addresses(bases: list[int], page_bytes: int, layer: int, blocks: list[int]) -> list[int]:
-    return [bases[layer] + b * page_bytes for b in blocks]

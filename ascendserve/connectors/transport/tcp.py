@@ -1,7 +1,8 @@
 """tcp: the pages follow the DATA frame on the control socket, one frame per READ.
 
 No staging copy on either side: P writes the pages straight from its KV
-cache with scatter-gather sends (sendmsg over page views, layer-major), D
+cache with scatter-gather sends (sendmsg over the pages' runs, layer-major, or
+block-major whole blocks of a cross-layer layout: PagedKV.request_views), D
 receives them straight into its own pages with recvmsg_into. The kernel's
 copies are the only ones; no per-block round trip.
 """
@@ -48,13 +49,13 @@ class TcpTransport(Transport):
 
     def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
                    heads: tuple[int, int] | None) -> None:
-        views = [v for layer in pages.page_views(block_ids, heads) for v in layer]
+        views = pages.request_views(block_ids, heads)
         send_frame(conn, {"type": "DATA", "payload": sum(len(v) for v in views)})
         send_views(conn, views)
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
               local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
-        views = [v for layer in pages.page_views(local_blocks, (heads[1], heads[2]) if heads else None) for v in layer]
+        views = pages.request_views(local_blocks, (heads[1], heads[2]) if heads else None)
         size = sum(len(v) for v in views)
         answer = read_frame(sock, size)
         if answer["type"] != "DATA":
