@@ -132,8 +132,9 @@ class _Held:
 
 def main(argv: list[str]) -> None:
     """Serve every case's caches (one side-channel server per P rank, tcp and shm, torch and
-    our transport code only) holding HELD for requests `<case>-<transport>-<i>`; print
-    {case: base port} and run until stdin closes."""
+    our transport code only), once read in place and once staged, holding HELD for requests
+    `<case>-<transport>-<i>`; print {"<case>/host" or "<case>/staged": base port} and run
+    until stdin closes."""
     from ascendserve.connectors.kv.pages import PagedKV
     from ascendserve.connectors.transport import make_transport
     from ascendserve.connectors.transport.channel import ChannelServer
@@ -144,15 +145,16 @@ def main(argv: list[str]) -> None:
     for spec in json.loads(argv[0]):
         ranks = spec.pop("ranks")
         case = Case(**spec)
-        base = free_port_run(case.p_tp, derived=False)
         holds = _Held([f"{case.name}-{t}-{i}" for t in transports for i in range(len(HELD))])
-        for rank, desc in enumerate(ranks):
-            pages = PagedKV(rebuild(desc, producer_seed(case, rank)), NUM_BLOCKS)
-            server = ChannelServer("127.0.0.1", base + rank, holds, pages, "tok",
-                                   {name: make_transport(name, pages) for name in ("tcp", "shm")})
-            server.start()
-            servers.append(server)
-        ports[case.name] = base
+        for staged in (False, True):  # host views, and the device path (staging) on the same memory
+            base = free_port_run(case.p_tp, derived=False)
+            for rank, desc in enumerate(ranks):
+                pages = PagedKV(rebuild(desc, producer_seed(case, rank)), NUM_BLOCKS, staging=staged)
+                server = ChannelServer("127.0.0.1", base + rank, holds, pages, "tok",
+                                       {name: make_transport(name, pages) for name in ("tcp", "shm")})
+                server.start()
+                servers.append(server)
+            ports[f"{case.name}/{'staged' if staged else 'host'}"] = base
     print("PORTS " + json.dumps(ports), flush=True)
     sys.stdin.read()
     for server in servers:

@@ -1,6 +1,7 @@
 """KV pages in every layout vLLM 0.32 lists (KVCacheLayout), built by vLLM's own
 `create_kv_cache_views`: pages of random block lists move bit-exact from a producer process
-to this one over tcp and shm; P TP=2 -> D TP=1 head slicing lands each P rank's heads in
+to this one over tcp and shm, read in place and through the device path's host staging
+(on these CPU tensors) on either side; P TP=2 -> D TP=1 head slicing lands each P rank's heads in
 their range; a cross-layer layout moves whole blocks; a D whose layout differs is refused
 with both layouts named; MLA latents, padded pages and kernel-block splitting too."""
 
@@ -18,9 +19,9 @@ import torch
 
 from ascendserve.connectors.kv.page_geometry import layout_mismatch
 from ascendserve.connectors.kv.pages import PagedKV
-from ascendserve.connectors.kv.pull_plan import PullSettings
-from ascendserve.connectors.kv.pull_worker import PullWorker
+from ascendserve.connectors.transport import make_transport
 from ascendserve.connectors.transport.base import TransferError
+from ascendserve.connectors.transport.channel import ChannelClient
 from tests.kv_layouts import HELD, NUM_BLOCKS, Case, build, pages_of, producer_args, producer_seed
 
 vllm_layouts = pytest.importorskip("vllm.v1.kv_cache_layout")
@@ -57,13 +58,23 @@ def producer():
         proc.kill()
 
 
-def consumer(case: Case, transport: str, heads: int | None = None):
-    """D: a PullWorker over caches of `case` (its own bytes), and those caches' views."""
-    settings = PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=60.0, transport=transport)
-    d = PullWorker(settings, "tok", tp_rank=0, producer=False)
-    views = build(case, seed=5, heads=heads)
-    d.register_kv_caches(views, num_blocks=NUM_BLOCKS)
-    return d, views
+class Consumer:
+    """D: a side-channel client over caches of `case` (its own bytes, `views`), reading its pages
+    in place or through host staging (the device path) with `transport`."""
+
+    def __init__(self, case: Case, transport: str, heads: int | None = None, staged: bool = False):
+        self.views = build(case, seed=5, heads=heads)
+        self.kv = PagedKV(self.views, NUM_BLOCKS, staging=staged)
+        self.transport = make_transport(transport, self.kv)
+        self.client = ChannelClient("tok", self.kv, self.transport)
+
+    def close(self) -> None:
+        self.client.close()
+        self.transport.close()
+
+
+# (D staged, P staged): host memory both sides, D on the device path, P on the device path
+PATHS = {"host": (False, False), "staged-d": (True, False), "staged-p": (False, True)}
 
 
 def ratio(case: Case) -> int:
@@ -77,47 +88,59 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 LOCAL = [[1, 0, 2, 6], [9, 10, 3, 4], [8], [0, 1, 2, 3, 4, 5, 6, 7]]  # D's blocks for HELD[i]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", [c for c in CASES if c.p_tp == 1], ids=lambda c: c.name)
-def test_pages_move_bit_exact_between_processes(producer, case, transport):
-    d, views = consumer(case, transport)
+def test_pages_move_bit_exact_between_processes(producer, case, transport, path):
+    d_staged, p_staged = PATHS[path]
+    d = Consumer(case, transport, staged=d_staged)
+    port = producer[f"{case.name}/{'staged' if p_staged else 'host'}"]
     try:
         assert d.kv.layout()["name"] == case.layout
         expected, untouched = build(case, producer_seed(case, 0)), build(case, seed=5)
         k = ratio(case)
         written = set()
         for i, (remote, local) in enumerate(zip(HELD, LOCAL)):
-            moved = d.client.pull("127.0.0.1", producer[case.name], f"{case.name}-{transport}-{i}", remote, local)
+            moved = d.client.pull("127.0.0.1", port, f"{case.name}-{transport}-{i}", remote, local)
             assert moved == d.kv.nbytes(len(remote))
             written |= set(local)
             for r, lo in zip(remote, local):  # HELD[1] repeats block 7: it lands twice
-                assert same(pages_of(views, lo, k), pages_of(expected, r, k)), (case, i, r, lo)
+                assert same(pages_of(d.views, lo, k), pages_of(expected, r, k)), (case, i, r, lo)
         for b in set(range(NUM_BLOCKS)) - written:  # nothing else of D's cache was touched
-            assert same(pages_of(views, b, k), pages_of(untouched, b, k)), b
+            assert same(pages_of(d.views, b, k), pages_of(untouched, b, k)), b
     finally:
-        d.shutdown()
+        d.close()
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", [c for c in CASES if c.p_tp == 2], ids=lambda c: c.name)
-def test_p_tp2_to_d_tp1_lands_each_ranks_heads_in_their_range(producer, case, transport):
+def test_p_tp2_to_d_tp1_lands_each_ranks_heads_in_their_range(producer, case, transport, path):
     """D (TP=1, 4 heads) reads heads 0-1 from P rank 0 and 2-3 from P rank 1 (2 heads each)."""
-    d, views = consumer(case, transport, heads=case.heads * case.p_tp)
+    d_staged, p_staged = PATHS[path]
+    d = Consumer(case, transport, heads=case.heads * case.p_tp, staged=d_staged)
+    port = producer[f"{case.name}/{'staged' if p_staged else 'host'}"]
     try:
         i, remote, local = 0, HELD[0], LOCAL[0]
         for rank in range(case.p_tp):
             heads = (0, rank * case.heads, case.heads)  # (first on P, first here, count)
-            moved = d.client.pull("127.0.0.1", producer[case.name] + rank, f"{case.name}-{transport}-{i}",
-                                  remote, local, heads)
+            moved = d.client.pull("127.0.0.1", port + rank, f"{case.name}-{transport}-{i}", remote, local, heads)
             assert moved == d.kv.nbytes(len(remote), case.heads)
         ranks = [build(case, producer_seed(case, rank)) for rank in range(case.p_tp)]
         for r, lo in zip(remote, local):
-            mine = pages_of(views, lo)
+            mine = pages_of(d.views, lo)
             for rank, theirs in enumerate(ranks):
                 part = [page[:, rank * case.heads:(rank + 1) * case.heads] for page in mine]
                 assert same(part, pages_of(theirs, r)), (rank, r, lo)
     finally:
-        d.shutdown()
+        d.close()
+
+
+def test_staged_pages_have_no_host_views():
+    kv = PagedKV(build(Case("LBHNC", "LBHNC"), seed=1), NUM_BLOCKS, staging=True)
+    assert kv.staged and not kv.host_visible
+    with pytest.raises(RuntimeError, match="no host views"):
+        kv.request_views([1])
 
 
 def test_every_layout_is_named_and_cross_layer_blocks_move_whole():
@@ -148,13 +171,12 @@ def test_head_runs_follow_the_layout():
 
 
 def test_a_consumer_with_another_layout_is_refused_naming_both(producer):
-    case = next(c for c in CASES if c.name == "LBHNC")
-    d, _ = consumer(Case("LBHNC", "LBNHC"), "tcp")  # same model, heads inside tokens
+    d = Consumer(Case("LBHNC", "LBNHC"), "tcp")  # same model, heads inside tokens
     try:
         with pytest.raises(TransferError, match="KV layout mismatch: peer LBNHC vs here LBHNC"):
-            d.client.pull("127.0.0.1", producer[case.name], f"{case.name}-tcp-0", HELD[0], LOCAL[0])
+            d.client.pull("127.0.0.1", producer["LBHNC/host"], "LBHNC-tcp-0", HELD[0], LOCAL[0])
     finally:
-        d.shutdown()
+        d.close()
     a = PagedKV(build(Case("a", "LBHNC"), seed=1), NUM_BLOCKS).layout()
     b = PagedKV(build(Case("b", "BLHNC"), seed=1), NUM_BLOCKS).layout()
     assert "peer BLHNC vs here LBHNC" in layout_mismatch(b, a)

@@ -19,7 +19,10 @@ strides, never from a backend's shape:
 - in a cross-layer layout (B outside L) a block of every layer is one piece of
   memory, and whole-page reads move it as one (`request_views`).
 
-CPU memory only: device caches (cuda, npu) are refused with that reason.
+Host memory is read in place (numpy views, the native copy ops, zero-copy socket
+buffers). Device memory (cuda, npu) is staged: torch index ops gather a layer's
+pages on the device and one copy brings them to a host buffer (the reverse on
+receive); `staging=True` runs that path on host memory, which is how CI covers it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ def _byte_storage(t: torch.Tensor) -> np.ndarray:
     return flat.numpy()
 
 
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole allocation behind `t` as a uint8 tensor on its device."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 4:
         return t
@@ -55,7 +64,8 @@ class PagedKV:
     """Pages of every registered layer. `num_blocks`: the manager's block count, when the views
     hold kernel blocks (B = K * num_blocks); default: the views' first dimension."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None):
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None,
+                 staging: bool | None = None):
         seen: set[int] = set()
         self.names: list[str] = []
         self.layers: list[torch.Tensor] = []
@@ -69,10 +79,15 @@ class PagedKV:
                 self.layers.append(t)
         if not self.layers:
             raise ValueError("no KV cache tensors registered")
-        devices = {t.device.type for t in self.layers}
-        if devices != {"cpu"}:
-            raise ValueError(f"KV caches on {', '.join(sorted(devices))}: ascendserve's KV connectors "
-                             "move CPU caches only in this version")
+        devices = {t.device for t in self.layers}
+        if len(devices) != 1:
+            raise ValueError(f"KV layers on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        # device memory is copied through host staging buffers (gather on the device, then one
+        # copy to the host; the reverse on receive); `staging=True` takes that path for host
+        # memory too, which is how CI runs the device code on CPU tensors
+        self.staged = self.device.type != "cpu" if staging is None else bool(staging) or self.device.type != "cpu"
+        self.host_visible = not self.staged  # zero-copy views of the cache itself exist
         views = [_as_4d(t) for t in self.layers]
         shapes = {tuple(v.shape) for v in views}
         dtypes = {v.dtype for v in views}
@@ -99,7 +114,8 @@ class PagedKV:
         self.block_stride = sb * k
         self.head_bytes = k * n * c * e
         self.page_bytes = h * self.head_bytes
-        self._storage = [_byte_storage(t) for t in self.layers]
+        self._storage = [] if self.staged else [_byte_storage(t) for t in self.layers]
+        self._flat = [_flat_bytes(t) for t in self.layers] if self.staged else []
         self._offset = [(t.data_ptr() - t.untyped_storage().data_ptr()) for t in self.layers]
         self.layer_stride = self._layer_stride()
         # physical order of the page's axes (outermost first; an axis of extent 1 goes where
@@ -189,6 +205,17 @@ class PagedKV:
         strides = (self.block_stride, *(s for _, s in outer), 1)
         return np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
 
+    def _strided_t(self, layer: int, heads: tuple[int, int] | None) -> torch.Tensor:
+        """`_strided` as a tensor on the cache's device (the staged path)."""
+        first, count = self._heads(heads)
+        outer, run = self._split(count)
+        shape = (self.num_blocks, *(e for e, _ in outer), run)
+        strides = (self.block_stride, *(s for _, s in outer), 1)
+        return torch.as_strided(self._flat[layer], shape, strides, self._offset[layer] + first * self._stride["h"])
+
+    def _index_t(self, block_ids) -> torch.Tensor:
+        return torch.from_numpy(self._index(block_ids)).to(self.device)
+
     # ---- copies ----------------------------------------------------------------
     def gather_layer(self, layer: int, block_ids: list[int]) -> np.ndarray:
         """A copy of one layer's pages: [len(block_ids), page_bytes]."""
@@ -200,6 +227,10 @@ class PagedKV:
                           heads: tuple[int, int] | None = None) -> None:
         """`out`: [len(block_ids), bytes per page (or per head range)], each page's runs in
         memory order; `heads` = (first, count) takes only those heads of each page."""
+        if self.staged:
+            view, idx = self._strided_t(layer, heads), self._index_t(block_ids)
+            torch.from_numpy(out).view(-1).copy_(view.index_select(0, idx).view(-1))
+            return
         view, idx = self._strided(layer, heads), self._index(block_ids)
         if view.ndim == 2:  # one run per page: the native op
             gather_pages(view, idx, out)
@@ -208,6 +239,12 @@ class PagedKV:
 
     def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray,
                       heads: tuple[int, int] | None = None) -> None:
+        if self.staged:
+            view, idx = self._strided_t(layer, heads), self._index_t(block_ids)
+            flat = np.require(src.reshape(-1), requirements="W")  # a read-only shm view: copied once
+            data = torch.from_numpy(flat).to(self.device).view((len(idx), *view.shape[1:]))
+            view[idx] = data
+            return
         view, idx = self._strided(layer, heads), self._index(block_ids)
         if view.ndim == 2:
             scatter_pages(view, idx, src)
@@ -218,9 +255,14 @@ class PagedKV:
     def layer_views(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
         """The runs of these pages (or of one head range of each) in the cache itself, in
         transfer order: sockets read and write them with no staging copy."""
+        self._host_only()
         view, idx = self._strided(layer, heads), self._index(block_ids)
         inner = list(np.ndindex(view.shape[1:-1]))
         return [memoryview(view[(int(b), *ix)]) for b in idx for ix in inner]
+
+    def _host_only(self) -> None:
+        if self.staged:
+            raise RuntimeError(f"pages on {self.device} have no host views: stage them (gather_layer_into)")
 
     def page_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[list[memoryview]]:
         """`layer_views` of every layer."""
@@ -236,6 +278,7 @@ class PagedKV:
         """Every run a read of these blocks moves, in transfer order: a cross-layer block as
         one piece for whole pages (`whole_blocks`), else layer by layer. Both sides of a
         transfer share `layout()`, so they choose alike."""
+        self._host_only()
         if heads is None and self.whole_blocks():
             span = self.num_layers * self.page_bytes
             base = self._storage[0][self._offset[0]:]

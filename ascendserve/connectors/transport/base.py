@@ -39,6 +39,7 @@ class Pages(Protocol):
 
     num_heads: int
     head_bytes: int
+    host_visible: bool  # False: device memory, no views (gather/scatter through host buffers)
 
     def nbytes(self, n_blocks: int, heads: int | None = None) -> int: ...
 
@@ -55,6 +56,9 @@ class Pages(Protocol):
 
     def request_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
         """Every run a read of these blocks moves, in transfer order."""
+
+    def whole_blocks(self) -> bool:
+        """Whether whole-page reads move cross-layer blocks as one piece (request_views)."""
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of every allocation holding a layer, for transports that register memory."""

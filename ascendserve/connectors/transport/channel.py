@@ -121,7 +121,13 @@ class ChannelServer:
             data = None
             try:  # checked first, then received straight into the reserved pages
                 self.sink.check(request_id, blocks)
-                recv_views(conn, self.pages.layer_views(layer, blocks))
+                if self.pages.host_visible:
+                    recv_views(conn, self.pages.layer_views(layer, blocks))
+                else:  # device pages: through a host buffer, scattered by the sink
+                    import numpy as np  # not at the top: the proxy imports this module
+
+                    data = np.empty((len(blocks), self.pages.page_bytes), dtype=np.uint8)
+                    recv_views(conn, [memoryview(data).cast("B")])
             except (KeyError, ValueError) as exc:
                 log.warning("pushed KV refused", request=request_id, reason=str(exc).strip("'\""))
                 _drain(conn, size)

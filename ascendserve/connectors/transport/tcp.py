@@ -4,7 +4,9 @@ No staging copy on either side: P writes the pages straight from its KV
 cache with scatter-gather sends (sendmsg over the pages' runs, layer-major, or
 block-major whole blocks of a cross-layer layout: PagedKV.request_views), D
 receives them straight into its own pages with recvmsg_into. The kernel's
-copies are the only ones; no per-block round trip.
+copies are the only ones; no per-block round trip. Pages with no host views
+(device memory) go through one host buffer per layer (`send_staged`,
+`recv_staged`), in the same byte order.
 """
 
 from __future__ import annotations
@@ -44,23 +46,71 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     _vectored(lambda batch: sock.recvmsg_into(batch)[0], views)
 
 
+def _block_major(pages: Pages, heads) -> bool:
+    """A read moves whole cross-layer blocks (request_views' order) rather than layer by layer."""
+    return heads is None and pages.whole_blocks()
+
+
+def send_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: tuple[int, int] | None) -> None:
+    """Pages with no host views (device memory): each layer gathered into one host buffer
+    (bounded: one layer of the read), sent in request_views' order."""
+    import numpy as np
+
+    per_page = pages.page_bytes if heads is None else heads[1] * pages.head_bytes
+    if _block_major(pages, heads):
+        buf = np.empty((pages.num_layers, len(block_ids), per_page), dtype=np.uint8)
+        for layer in range(pages.num_layers):
+            pages.gather_layer_into(layer, block_ids, buf[layer], heads)
+        send_views(sock, [memoryview(np.ascontiguousarray(buf.transpose(1, 0, 2))).cast("B")])
+        return
+    buf = np.empty((len(block_ids), per_page), dtype=np.uint8)
+    for layer in range(pages.num_layers):
+        pages.gather_layer_into(layer, block_ids, buf, heads)
+        send_views(sock, [memoryview(buf).cast("B")])
+
+
+def recv_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: tuple[int, int] | None) -> None:
+    """send_staged's mirror: each layer received into a host buffer, then scattered."""
+    import numpy as np
+
+    per_page = pages.page_bytes if heads is None else heads[1] * pages.head_bytes
+    if _block_major(pages, heads):
+        buf = np.empty((len(block_ids), pages.num_layers, per_page), dtype=np.uint8)
+        recv_views(sock, [memoryview(buf).cast("B")])
+        for layer in range(pages.num_layers):
+            pages.scatter_layer(layer, block_ids, np.ascontiguousarray(buf[:, layer]), heads)
+        return
+    buf = np.empty((len(block_ids), per_page), dtype=np.uint8)
+    for layer in range(pages.num_layers):
+        recv_views(sock, [memoryview(buf).cast("B")])
+        pages.scatter_layer(layer, block_ids, buf, heads)
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
     def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
                    heads: tuple[int, int] | None) -> None:
+        if not pages.host_visible:
+            send_frame(conn, {"type": "DATA", "payload": pages.nbytes(len(block_ids), heads[1] if heads else None)})
+            send_staged(conn, pages, block_ids, heads)
+            return
         views = pages.request_views(block_ids, heads)
         send_frame(conn, {"type": "DATA", "payload": sum(len(v) for v in views)})
         send_views(conn, views)
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
               local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
-        views = pages.request_views(local_blocks, (heads[1], heads[2]) if heads else None)
-        size = sum(len(v) for v in views)
+        mine = (heads[1], heads[2]) if heads else None
+        views = pages.request_views(local_blocks, mine) if pages.host_visible else None
+        size = sum(len(v) for v in views) if views is not None else pages.nbytes(len(local_blocks), mine and mine[1])
         answer = read_frame(sock, size)
         if answer["type"] != "DATA":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
         if answer.get("payload", 0) != size:
             raise TransferError(f"producer sent {answer.get('payload')} bytes, expected {size}")
-        recv_views(sock, views)
+        if views is None:
+            recv_staged(sock, pages, local_blocks, mine)
+        else:
+            recv_views(sock, views)
         return size
