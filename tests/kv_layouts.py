@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 NUM_BLOCKS = 12
-LAYERS = 3
+LAYERS = 11  # more than 10: name order (layers.10 before layers.2) differs from memory order
 BLOCK = 16
 HEAD = 32
 HELD = [[3, 4, 5, 11], [0, 7, 7, 2], [9], [1, 2, 3, 4, 5, 6, 8, 10]]  # request i holds HELD[i]

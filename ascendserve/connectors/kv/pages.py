@@ -118,6 +118,8 @@ class PagedKV:
         self._flat = [_flat_bytes(t) for t in self.layers] if self.staged else []
         self._offset = [(t.data_ptr() - t.untyped_storage().data_ptr()) for t in self.layers]
         self.layer_stride = self._layer_stride()
+        # layers in memory order: how a cross-layer block's pages follow each other
+        self.memory_order = sorted(range(self.num_layers), key=lambda i: self._offset[i])
         # physical order of the page's axes (outermost first; an axis of extent 1 goes where
         # its stride puts it: it moves no byte either way)
         self.page_order = "".join(sorted("khn", key=lambda a: (-self._stride[a], "khn".index(a))))
@@ -133,7 +135,8 @@ class PagedKV:
         ptrs = [t.untyped_storage().data_ptr() for t in self.layers]
         if len(set(ptrs)) != 1:
             return None
-        steps = {b - a for a, b in zip(self._offset, self._offset[1:])}
+        offsets = sorted(self._offset)  # memory order (names sort layers.10 before layers.2)
+        steps = {b - a for a, b in zip(offsets, offsets[1:])}
         return steps.pop() if len(steps) == 1 else None
 
     def _name(self) -> str:
@@ -281,7 +284,7 @@ class PagedKV:
         self._host_only()
         if heads is None and self.whole_blocks():
             span = self.num_layers * self.page_bytes
-            base = self._storage[0][self._offset[0]:]
+            base = self._storage[0][min(self._offset):]  # the first layer in memory
             blocks = np.lib.stride_tricks.as_strided(base, shape=(self.num_blocks, span),
                                                      strides=(self.block_stride, 1))
             return [memoryview(blocks[b]) for b in self._index(block_ids)]

@@ -40,6 +40,7 @@ class Pages(Protocol):
     num_heads: int
     head_bytes: int
     host_visible: bool  # False: device memory, no views (gather/scatter through host buffers)
+    memory_order: list[int]  # layers by address: the order of a cross-layer block's pages
 
     def nbytes(self, n_blocks: int, heads: int | None = None) -> int: ...
 

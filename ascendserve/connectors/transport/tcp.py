@@ -59,8 +59,8 @@ def send_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: 
     per_page = pages.page_bytes if heads is None else heads[1] * pages.head_bytes
     if _block_major(pages, heads):
         buf = np.empty((pages.num_layers, len(block_ids), per_page), dtype=np.uint8)
-        for layer in range(pages.num_layers):
-            pages.gather_layer_into(layer, block_ids, buf[layer], heads)
+        for i, layer in enumerate(pages.memory_order):  # a block's pages in memory order
+            pages.gather_layer_into(layer, block_ids, buf[i], heads)
         send_views(sock, [memoryview(np.ascontiguousarray(buf.transpose(1, 0, 2))).cast("B")])
         return
     buf = np.empty((len(block_ids), per_page), dtype=np.uint8)
@@ -77,8 +77,8 @@ def recv_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: 
     if _block_major(pages, heads):
         buf = np.empty((len(block_ids), pages.num_layers, per_page), dtype=np.uint8)
         recv_views(sock, [memoryview(buf).cast("B")])
-        for layer in range(pages.num_layers):
-            pages.scatter_layer(layer, block_ids, np.ascontiguousarray(buf[:, layer]), heads)
+        for i, layer in enumerate(pages.memory_order):
+            pages.scatter_layer(layer, block_ids, np.ascontiguousarray(buf[:, i]), heads)
         return
     buf = np.empty((len(block_ids), per_page), dtype=np.uint8)
     for layer in range(pages.num_layers):
