@@ -386,34 +386,6 @@ def test_same_image_again_skips_the_encoder(epd):
         ec_story(c["encoder"], c["prefill"])
 
 
-def test_store_restarted_empty(epd):
-    """Store down: requests still succeed (encoded locally); restarted empty: the encoder republishes."""
-    c, model, seed = epd, epd["model"], epd["seed"]
-    if c["connector"] == "shm":
-        pytest.skip("the shm region lives as long as an instance on the host holds it; it cannot be restarted alone")
-    needs_p_and_d(c)
-    seen = messages(data_url(png_bytes(112, 112, seed + 9)), text="Seen once by the PD.")
-    assert chat_ids(c["proxy_1e1pd"].url, model, seen) == chat_ids(c["oracle"].url, model, seen)
-    if c["connector"] == "store":
-        c["store"].stop()
-        fresh = messages(data_url(png_bytes(100, 60, seed + 10)), text="The store is down right now.")
-        assert chat_ids(c["proxy_1e1pd"].url, model, fresh) == chat_ids(c["oracle"].url, model, fresh)
-        assert metric(c["proxy_1e1pd"], "ascendserve_proxy_ec_store_errors_total") >= 1
-        c["store"].start()  # empty
-    else:
-        for entry in c["ec_dir"].iterdir():
-            for f in entry.iterdir():
-                f.unlink()
-            entry.rmdir()
-    served, hits = encoder_served(c["encoder"]), loaded(c["prefill"], c["connector"])
-    again = messages(*[p["image_url"]["url"] for p in seen[0]["content"][:1]], text="Now through P and D.")
-    assert chat_ids(c["proxy_1e1p1d"].url, model, again) == chat_ids(c["oracle"].url, model, again)
-    assert encoder_served(c["encoder"]) == served + 1, "the store is empty: the encoder must be asked"
-    if c["connector"] == "store":
-        # the encoder had it in its own cache and republished it; P loaded it
-        assert loaded(c["prefill"], c["connector"]) == hits + 1, ec_story(c["encoder"], c["prefill"])
-
-
 # ---- users' traffic ------------------------------------------------------------------------
 def proxies(c) -> list:
     return [p for p in (c["proxy_1e1pd"], c["proxy_1e1p1d"]) if p is not None]
@@ -526,7 +498,36 @@ def test_bad_images_get_a_4xx(epd):
     assert chat_ids(c["proxy_1e1pd"].url, model, ok) == chat_ids(c["oracle"].url, model, ok)
 
 
-# ---- failures (last: the encoder stays dead) ---------------------------------------------
+# ---- failures (after users' traffic: a restarted store was followed by a 5 s stall of the encoder's
+# saver, README "Known problem"; last: the encoder stays dead) ---------------------------------
+def test_store_restarted_empty(epd):
+    """Store down: requests still succeed (encoded locally); restarted empty: the encoder republishes."""
+    c, model, seed = epd, epd["model"], epd["seed"]
+    if c["connector"] == "shm":
+        pytest.skip("the shm region lives as long as an instance on the host holds it; it cannot be restarted alone")
+    needs_p_and_d(c)
+    seen = messages(data_url(png_bytes(112, 112, seed + 9)), text="Seen once by the PD.")
+    assert chat_ids(c["proxy_1e1pd"].url, model, seen) == chat_ids(c["oracle"].url, model, seen)
+    if c["connector"] == "store":
+        c["store"].stop()
+        fresh = messages(data_url(png_bytes(100, 60, seed + 10)), text="The store is down right now.")
+        assert chat_ids(c["proxy_1e1pd"].url, model, fresh) == chat_ids(c["oracle"].url, model, fresh)
+        assert metric(c["proxy_1e1pd"], "ascendserve_proxy_ec_store_errors_total") >= 1
+        c["store"].start()  # empty
+    else:
+        for entry in c["ec_dir"].iterdir():
+            for f in entry.iterdir():
+                f.unlink()
+            entry.rmdir()
+    served, hits = encoder_served(c["encoder"]), loaded(c["prefill"], c["connector"])
+    again = messages(*[p["image_url"]["url"] for p in seen[0]["content"][:1]], text="Now through P and D.")
+    assert chat_ids(c["proxy_1e1p1d"].url, model, again) == chat_ids(c["oracle"].url, model, again)
+    assert encoder_served(c["encoder"]) == served + 1, "the store is empty: the encoder must be asked"
+    if c["connector"] == "store":
+        # the encoder had it in its own cache and republished it; P loaded it
+        assert loaded(c["prefill"], c["connector"]) == hits + 1, ec_story(c["encoder"], c["prefill"])
+
+
 def test_encoder_sigkill_falls_back_to_local_encoding(epd):
     c, model, seed = epd, epd["model"], epd["seed"]
     encoder = c["encoder"]
