@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ascendserve.config import Config
 from ascendserve.discovery.heartbeat import Heartbeat
-from ascendserve.engine.vllm_server import exit_now, interrupted_during_startup, serve
+from ascendserve.engine.startup_stop import exit_now
+from ascendserve.engine.vllm_server import interrupted_during_startup, serve
 from ascendserve.launch.children import reap_children
 from ascendserve.launch.shm_ledger import ShmLedger
 from ascendserve.logging import get_logger

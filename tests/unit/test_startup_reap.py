@@ -18,7 +18,7 @@ import psutil
 
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
-    from ascendserve.engine.vllm_server import _StartupStop, _become_subreaper
+    from ascendserve.engine.startup_stop import _StartupStop, _become_subreaper
 
     child = subprocess.Popen([sys.executable, "-c", '''
     import signal, subprocess, sys, time
