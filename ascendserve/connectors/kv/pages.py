@@ -39,13 +39,6 @@ from ascendserve.ops import gather_pages, scatter_pages
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 
-def _byte_storage(t: torch.Tensor) -> np.ndarray:
-    """The whole allocation behind `t` as writable uint8 numpy memory."""
-    storage = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-    return flat.numpy()
-
-
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole allocation behind `t` as a uint8 tensor on its device."""
     storage = t.untyped_storage()
@@ -86,7 +79,7 @@ class PagedKV:
         # device memory is copied through host staging buffers (gather on the device, then one
         # copy to the host; the reverse on receive); `staging=True` takes that path for host
         # memory too, which is how CI runs the device code on CPU tensors
-        self.staged = self.device.type != "cpu" if staging is None else bool(staging) or self.device.type != "cpu"
+        self.staged = bool(staging) or self.device.type != "cpu"
         self.host_visible = not self.staged  # zero-copy views of the cache itself exist
         views = [_as_4d(t) for t in self.layers]
         shapes = {tuple(v.shape) for v in views}
@@ -114,7 +107,7 @@ class PagedKV:
         self.block_stride = sb * k
         self.head_bytes = k * n * c * e
         self.page_bytes = h * self.head_bytes
-        self._storage = [] if self.staged else [_byte_storage(t) for t in self.layers]
+        self._storage = [] if self.staged else [_flat_bytes(t).numpy() for t in self.layers]
         self._flat = [_flat_bytes(t) for t in self.layers] if self.staged else []
         self._offset = [(t.data_ptr() - t.untyped_storage().data_ptr()) for t in self.layers]
         self.layer_stride = self._layer_stride()
@@ -125,6 +118,8 @@ class PagedKV:
         self.page_order = "".join(sorted("khn", key=lambda a: (-self._stride[a], "khn".index(a))))
         self.cross_layer = self.layer_stride is not None and 0 < self.layer_stride < self.block_stride
         self.layout_name = self._name()
+        self._whole_blocks = (self.cross_layer and self.layer_stride == self.page_bytes
+                              and self._split(self.num_heads)[0] == [])
 
     # ---- description ---------------------------------------------------------
     def _layer_stride(self) -> int | None:
@@ -199,22 +194,24 @@ class PagedKV:
         """Bytes of each contiguous run of a page (or of a head range of it)."""
         return self._split(self._heads(heads)[1])[1]
 
-    def _strided(self, layer: int, heads: tuple[int, int] | None) -> np.ndarray:
-        """Layer `layer` as [num_blocks, *outer axes, run bytes] (heads restricted), in memory order."""
+    def _view_spec(self, layer: int, heads: tuple[int, int] | None) -> tuple[int, tuple, tuple]:
+        """(byte offset, shape, byte strides) of layer `layer` as [num_blocks, *outer axes, run
+        bytes], heads restricted, in memory order."""
         first, count = self._heads(heads)
         outer, run = self._split(count)
-        base = self._storage[layer][self._offset[layer] + first * self._stride["h"]:]
         shape = (self.num_blocks, *(e for e, _ in outer), run)
-        strides = (self.block_stride, *(s for _, s in outer), 1)
-        return np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+        strides = (self.block_stride, *(st for _, st in outer), 1)
+        return self._offset[layer] + first * self._stride["h"], shape, strides
+
+    def _strided(self, layer: int, heads: tuple[int, int] | None) -> np.ndarray:
+        """`_view_spec` over host memory (numpy)."""
+        offset, shape, strides = self._view_spec(layer, heads)
+        return np.lib.stride_tricks.as_strided(self._storage[layer][offset:], shape=shape, strides=strides)
 
     def _strided_t(self, layer: int, heads: tuple[int, int] | None) -> torch.Tensor:
-        """`_strided` as a tensor on the cache's device (the staged path)."""
-        first, count = self._heads(heads)
-        outer, run = self._split(count)
-        shape = (self.num_blocks, *(e for e, _ in outer), run)
-        strides = (self.block_stride, *(s for _, s in outer), 1)
-        return torch.as_strided(self._flat[layer], shape, strides, self._offset[layer] + first * self._stride["h"])
+        """`_view_spec` as a tensor on the cache's device (the staged path)."""
+        offset, shape, strides = self._view_spec(layer, heads)
+        return torch.as_strided(self._flat[layer], shape, strides, offset)
 
     def _index_t(self, block_ids) -> torch.Tensor:
         return torch.from_numpy(self._index(block_ids)).to(self.device)
@@ -274,8 +271,7 @@ class PagedKV:
     def whole_blocks(self) -> bool:
         """Whether a block of every layer is one contiguous piece (a cross-layer layout with
         no padding between the layers' pages)."""
-        return (self.cross_layer and self.layer_stride == self.page_bytes
-                and self._split(self.num_heads)[0] == [])
+        return self._whole_blocks
 
     def request_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
         """Every run a read of these blocks moves, in transfer order: a cross-layer block as
@@ -298,10 +294,6 @@ class PagedKV:
                 "stride": {a: self._stride[a] for a in "khn"}, "content": self._extent["c"],
                 "block_stride": self.block_stride}
 
-    def run_addresses(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[int]:
-        """Address of each run of `layer_views`, in the same order (for transfer engines)."""
-        self._heads(heads)
-        return page_geometry.addresses(self.geometry(), layer, [int(b) for b in self._index(block_ids)], heads)[0]
 
 def _same_order(a: str, b: str, extents: dict[str, int]) -> bool:
     """Two layout names order the axes of extent > 1 alike."""
