@@ -3,7 +3,7 @@
     ascendserve --role ROLE [--config FILE] [flags]   run one role
     ascendserve --role ROLE --help                    that role's flags
     ascendserve version
-    ascendserve model tiny --kind text|vl|moe --out DIR   random-weight checkpoint
+    ascendserve model tiny --kind text|vl|moe|mla --out DIR   random-weight checkpoint
     ascendserve launch --role ROLE --dp-size N ...    data-parallel ranks of one role
     ascendserve doctor [--peers host:port,...]        pre-flight check of this host
 
@@ -60,7 +60,7 @@ def _role_parser(role: str | None) -> argparse.ArgumentParser:
         prog="ascendserve",
         description=(f"role {role}: {ROLE_SUMMARY[role]}{available}" if role else
                      "Run one role of a disaggregated LLM serving cluster.\n\nroles:\n" + roles_help
-                     + "\n\nother commands:\n  version\n  model tiny --kind text|vl|moe --out DIR"
+                     + "\n\nother commands:\n  version\n  model tiny --kind text|vl|moe|mla --out DIR"
                      "\n  launch --role ROLE --dp-size N [--dp-size-local L ...]   data-parallel ranks"
                      "\n  doctor [--peers host:port,...]                          pre-flight check"),
         epilog="Every flag has an environment twin: --port <-> ASCENDSERVE_PORT. "
@@ -87,7 +87,7 @@ def _model_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ascendserve model", description="model utilities")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("tiny", help="write a random-weight tiny checkpoint (offline)")
-    tiny.add_argument("--kind", choices=("text", "vl", "moe"), default="text")
+    tiny.add_argument("--kind", choices=("text", "vl", "moe", "mla"), default="text")
     tiny.add_argument("--out", required=True, metavar="DIR")
     tiny.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

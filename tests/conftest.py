@@ -62,6 +62,11 @@ def vl_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def mla_model() -> Path:
+    return _build("mla")
+
+
+@pytest.fixture(scope="session")
 def text_oracle(text_model, tmp_path_factory):
     """One plain vLLM instance on the tiny text model: the correctness oracle every text
     topology is compared with, one for the whole session and all its workers
@@ -242,6 +247,7 @@ MODULE_SECONDS = {  # wall time of the module on one of two workers, fixtures in
     "tests/integration/test_kv_pull.py": 447,
     "tests/integration/test_kv_push.py": 329,
     "tests/integration/test_moe.py": 300,  # estimated
+    "tests/integration/test_kv_mla.py": 240,  # one process, 2026-12-02
     "tests/integration/test_defaults.py": 302,
     "tests/integration/test_startup_stop.py": 265,
     "tests/integration/test_chaos.py": 264,

@@ -1,11 +1,14 @@
 """Random-weight tiny checkpoints that vLLM and transformers both load, offline.
 
-`ascendserve model tiny --kind text|vl|moe --out DIR` writes a complete
+`ascendserve model tiny --kind text|vl|moe|mla --out DIR` writes a complete
 HuggingFace-style directory: config, safetensors weights, a byte-level BPE
 tokenizer (every byte is a token, so any text round-trips without a
 downloaded vocabulary), the Qwen chat template and, for `vl`, the image and
 video processors. `moe` is a Qwen3-MoE (8 experts, top-2) for the expert-
-and data-parallel layouts. Weights are drawn from N(0, std) with a seeded generator,
+and data-parallel layouts. `mla` is a DeepSeek-V2 (multi-head latent attention
+with DeepSeek's cache geometry, kv_lora_rank 512 + rope 64 = one 576-wide
+latent per token and layer; the second layer is MoE, 8 routed experts top-2
+and a shared expert), the model family P/D clusters are built for. Weights are drawn from N(0, std) with a seeded generator,
 so the same seed gives byte-identical weights. std defaults to 0.15: with
 the usual 0.02 a tiny random model emits one repeated token and greedy
 equality tests prove little.
@@ -18,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("text", "vl", "moe")
+KINDS = ("text", "vl", "moe", "mla")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -67,6 +70,12 @@ class TinySpec:
     experts: int = 8  # moe
     experts_per_token: int = 2
     moe_intermediate: int = 64
+    kv_lora_rank: int = 512  # mla: latent width; + rope_dim is the cached width
+    rope_dim: int = 64  # mla: decoupled rope part of q and k
+    nope_dim: int = 32  # mla: per-head q/k part without rope
+    v_dim: int = 32  # mla: per-head value width
+    shared_experts: int = 1  # mla
+    dense_layers: int = 1  # mla: the first layers use a dense MLP
 
     @property
     def head_dim(self) -> int:
@@ -75,7 +84,7 @@ class TinySpec:
     def check(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind == "moe" and not 0 < self.experts_per_token <= self.experts:
+        if self.kind in ("moe", "mla") and not 0 < self.experts_per_token <= self.experts:
             raise ValueError("experts_per_token must be in 1..experts")
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError("hidden must divide by heads, heads by kv_heads")
@@ -88,7 +97,10 @@ class TinySpec:
 
 def default_spec(kind: str, seed: int = 0) -> TinySpec:
     """The specs the tests and demo use: text hidden 256, VL text hidden 128,
-    MoE hidden 128 with 8 experts of intermediate 64, top-2."""
+    MoE hidden 128 with 8 experts of intermediate 64, top-2; MLA hidden 256,
+    4 heads, one dense and one MoE layer."""
+    if kind == "mla":
+        return TinySpec(kind="mla", seed=seed)
     if kind == "moe":
         return TinySpec(kind="moe", seed=seed, hidden=128, heads=4, kv_heads=2, intermediate=256)
     if kind == "vl":
@@ -171,6 +183,8 @@ def _build_model(spec: TinySpec):
         )
         config.architectures = ["Qwen3MoeForCausalLM"]
         model_cls = Qwen3MoeForCausalLM
+    elif spec.kind == "mla":
+        config, model_cls = _mla_config(spec)
     else:
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -200,6 +214,35 @@ def _build_model(spec: TinySpec):
         model_cls = Qwen2_5_VLForConditionalGeneration
     config.dtype = "float32"
     return model_cls(config)
+
+
+def _mla_config(spec: TinySpec):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    kwargs = _text_config_kwargs(spec, mrope=False)
+    kwargs.pop("use_sliding_window")
+    kwargs["num_key_value_heads"] = spec.heads  # MLA: every head reads the one latent
+    config = DeepseekV2Config(
+        **kwargs,
+        kv_lora_rank=spec.kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=spec.rope_dim,
+        qk_nope_head_dim=spec.nope_dim,
+        v_head_dim=spec.v_dim,
+        n_routed_experts=spec.experts,
+        num_experts_per_tok=spec.experts_per_token,
+        n_shared_experts=spec.shared_experts,
+        moe_intermediate_size=spec.moe_intermediate,
+        first_k_dense_replace=spec.dense_layers,
+        moe_layer_freq=1,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    )
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    return config, DeepseekV2ForCausalLM
 
 
 def _randomize(model, spec: TinySpec) -> None:

@@ -31,6 +31,21 @@ def test_replicated_heads_pick_one_replica_deterministically():
     assert plan(2, 4, 1, 0, "same") == plan(2, 4, 1, 0, "same")  # every side computes the same choice
 
 
+def test_mla_latent_is_one_head_replicated_on_every_rank():
+    """An MLA cache has no head axis: vLLM reports the model's attention heads (4 here), the
+    connector counts one, so each D rank reads the whole latent page from one P replica."""
+    from types import SimpleNamespace
+
+    from ascendserve.connectors.kv.connector import total_kv_heads
+
+    mla = SimpleNamespace(use_mla=True, get_total_num_kv_heads=lambda: 4)
+    gqa = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 4)
+    assert total_kv_heads(mla) == 1 and total_kv_heads(gqa) == 4
+    picks = {tuple(plan(1, 2, 1, 0, f"req-{i}")) for i in range(32)}
+    assert picks == {(Segment(0, 0, 0, 1),), (Segment(1, 0, 0, 1),)}  # one whole page, either replica
+    assert plan(1, 4, 2, 1, "r")[0].p_rank in (2, 3)
+
+
 @pytest.mark.parametrize("p_tp,d_tp", [(3, 2), (1, 2), (2, 4), (0, 1)])
 def test_incompatible_tp_refused_with_a_clear_message(p_tp, d_tp):
     with pytest.raises(ValueError, match="prefill TP >= decode TP and prefill TP a multiple of decode TP"):

@@ -39,7 +39,7 @@ def test_chat_template_places_image_pads():
     assert text == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.parametrize("kind", ["text", "vl"])
+@pytest.mark.parametrize("kind", ["text", "vl", "mla"])
 def test_transformers_loads_and_generates_varied_tokens(tmp_path, kind):
     import torch
     from transformers import AutoModelForImageTextToText, AutoModelForCausalLM, AutoTokenizer
@@ -48,7 +48,7 @@ def test_transformers_loads_and_generates_varied_tokens(tmp_path, kind):
     cfg = json.loads((path / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
     assert text_cfg["hidden_size"] // text_cfg["num_attention_heads"] >= 64
-    cls = AutoModelForCausalLM if kind == "text" else AutoModelForImageTextToText
+    cls = AutoModelForImageTextToText if kind == "vl" else AutoModelForCausalLM
     model = cls.from_pretrained(path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok("The quick brown fox jumps over", return_tensors="pt").input_ids

@@ -17,6 +17,13 @@ from ascendserve.connectors.kv.pull_plan import PullSettings
 from ascendserve.connectors.kv.stats import KVTransferProm, KVTransferStats
 
 
+def total_kv_heads(model_config) -> int:
+    """KV heads over all TP ranks, as the caches hold them. An MLA model's cache is one latent
+    per token with no head axis, the same on every rank (vLLM reports the attention heads,
+    e.g. 4, which no rank's cache has): one head, replicated over TP."""
+    return 1 if getattr(model_config, "use_mla", False) else model_config.get_total_num_kv_heads()
+
+
 class AscendKVConnector(KVConnectorBase_V1):
     metadata_cls: type
     planner_cls: type
@@ -36,7 +43,7 @@ class AscendKVConnector(KVConnectorBase_V1):
 
             self._worker = self.worker_cls(settings, environ().get("ASCENDSERVE_CLUSTER_TOKEN", ""),
                                            get_tensor_model_parallel_rank(), cfg.is_kv_producer, tp_size=tp_size,
-                                           total_kv_heads=vllm_config.model_config.get_total_num_kv_heads())
+                                           total_kv_heads=total_kv_heads(vllm_config.model_config))
 
     def _meta(self):
         meta = self._get_connector_metadata()

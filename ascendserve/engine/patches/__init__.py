@@ -42,11 +42,15 @@ def apply_all() -> dict[str, list[str]]:
     # (name, install, what stays broken when its check does not fit this vLLM)
     fixes = [("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling")]
     if current_platform.is_cpu():
-        from ascendserve.engine.patches import core_fork, cpu_communicator, cpu_moe
+        from ascendserve.engine.patches import core_fork, cpu_communicator, cpu_mla, cpu_moe, cpu_rope
 
         moe = "MoE with expert or data parallelism may fail"
         fixes += [("core_fork", lambda: core_fork.apply(is_cpu=True), "engine cores are spawned (a slower start)"),
-                  ("cpu_communicator", cpu_communicator.apply, moe), ("cpu_moe", cpu_moe.apply, moe)]
+                  ("cpu_communicator", cpu_communicator.apply, moe), ("cpu_moe", cpu_moe.apply, moe),
+                  ("cpu_rope", cpu_rope.apply, "MLA (DeepSeek) models give wrong tokens"),
+                  ("cpu_mla", cpu_mla.apply_backend, "float32 MLA models on AMX hosts need "
+                                                     "--attention-backend CPU_MLA"),
+                  ("cpu_mla_decode", cpu_mla.apply_decode, "MLA decode needs a 576-wide latent")]
     applied: dict[str, list[str]] = {}
     for name, fix, without in fixes:
         try:
