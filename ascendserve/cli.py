@@ -84,10 +84,12 @@ def _role_parser(role: str | None) -> argparse.ArgumentParser:
 
 
 def _model_command(argv: list[str]) -> int:
+    from ascendserve.models.tiny import KINDS  # no torch at import: that waits for build()
+
     parser = argparse.ArgumentParser(prog="ascendserve model", description="model utilities")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("tiny", help="write a random-weight tiny checkpoint (offline)")
-    tiny.add_argument("--kind", choices=("text", "vl", "moe", "mla"), default="text")
+    tiny.add_argument("--kind", choices=KINDS, default="text")
     tiny.add_argument("--out", required=True, metavar="DIR")
     tiny.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -47,13 +47,9 @@ def amx_packing_refuses_float32() -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_takes(width: int, latent: int, block_size: int) -> bool:
     """Whether vLLM's CPU MLA decode kernel runs on this geometry (a toy call; cached)."""
-    return _kernel_takes(width, latent, block_size)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_takes(width: int, latent: int, block_size: int) -> bool:
     from vllm import _custom_ops as ops
 
     try:
