@@ -17,7 +17,9 @@ CI_RUNS = {"frames": 40_000, "kv_channel": 8_000, "kv_channel_client": 12_000, "
            "netloader_client": 10_000, "registry": 40_000, "openai_body": 100_000, "ec_memcached": 12_000}
 _EXECUTED = re.compile(r"^stat::number_of_executed_units:\s+(\d+)", re.MULTILINE)
 _COVERAGE = re.compile(r"^#\d+\s+\w+\s+cov: (\d+) ft: (\d+)", re.MULTILINE)
-_ARTIFACT = re.compile(r"Test unit written to (\S+)")
+# a crash, leak, timeout or out-of-memory input; not "slow-unit-" ones (libFuzzer writes any input
+# over 10 s, which on a loaded CI host says nothing of the decoder: -timeout catches hangs)
+_ARTIFACT = re.compile(r"Test unit written to (\S*/(?!slow-unit-)[^/\s]+)(?!\S)")
 
 
 @dataclass

@@ -180,13 +180,16 @@ def epd(request, vl_model, vl_oracle, tmp_path_factory):
         # tiny embeddings are a few KiB: small chunks so every item is chunked
         ec += ["--ec-store-url", store.url, "--ec-chunk-kb", "8", "--ec-ttl", str(STORE_TTL_S)]
     debug = ["--log-level", "debug"] if connector in ("example", "store") else []  # its loads are only logged
-    engine_ec = ec
+    # a consumer waits for a promised item up to --ec-wait (5 s by default), then encodes it itself;
+    # on a CI host busy with other workers' engines the encoder's answer took longer than 5 s now
+    # and then (the "loaded" counts then miss one while the tokens stay right)
+    engine_ec, consumer_ec = ec, [*ec, "--ec-enabled", "--ec-wait", "30"]
     encoder = ascendserve("encoder", vl_model, logs, *engine_ec, *debug, name="encoder")
     # the shm cluster's PD runs TP=2: each rank loads the items onto its own device
     tp = ["--tensor-parallel-size", "2"] if connector == "shm" else []
-    pd = ascendserve("pd", vl_model, logs, *engine_ec, "--ec-enabled", *tp, *debug, name="pd",
+    pd = ascendserve("pd", vl_model, logs, *consumer_ec, *tp, *debug, name="pd",
                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp else None)
-    prefill = ascendserve("prefill", vl_model, logs, *engine_ec, "--ec-enabled", "--kv-connector", "pull", *debug,
+    prefill = ascendserve("prefill", vl_model, logs, *consumer_ec, "--kv-connector", "pull", *debug,
                           name="prefill")
     decode = ascendserve("decode", vl_model, logs, "--kv-connector", "pull", name="decode")
     # vLLM's example connector is the reference, not ours: its cluster is 1E1PD only (CI time)
