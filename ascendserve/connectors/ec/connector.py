@@ -1,8 +1,8 @@
 """Our EC connectors for vLLM: `shm` (same host) and `store` (cluster-wide pool).
 
 Producer (the encoder role):
-    save_caches        rank `save_rank` hands each new encoder output to a saver
-                       thread (the forward never waits on the store)
+    save_caches        rank `save_rank` writes each new encoder output to the store in
+                       the step that encoded it, before the encoder's answer
     start_save_caches  republishes items the encoder served from its own encoder
                        cache (e.g. after the store was restarted empty)
     has_cache_item     the store already holds it: the encoder skips the work
@@ -14,8 +14,8 @@ Consumer (prefill / pd), scheduler side:
         receive region of `recv_buffer_tokens` (items larger than that region get
         a one-off region), then pins it there. The request waits while a fetch
         runs; an item the encoder promised (listed in the request's
-        ec_transfer_params) is waited for up to `wait_s` because saving is
-        asynchronous. Anything not found is encoded locally by vLLM.
+        ec_transfer_params) is waited for up to `wait_s` (a save the encoder's answer
+        overtook, e.g. another rank's). Anything not found is encoded locally by vLLM.
     has_cache_item / update_state_after_alloc  load what was located
     worker meta        which items the workers copied: their pins are released
 
@@ -29,7 +29,6 @@ dies holding pins does not keep entries forever.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 import uuid
@@ -53,7 +52,6 @@ from ascendserve.connectors.ec.backends import ItemInfo, MemcachedStore, Mooncak
 from ascendserve.connectors.ec.memcached import StoreError
 from ascendserve.connectors.ec.region import Entry, Region, RegionError
 from ascendserve.connectors.ec.stats import ECStats
-from ascendserve.connectors.transport.threads import unpin_current_thread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,6 +62,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 MIN_RECV_TOKENS = 2048
+# the producer's saves: a store error that took longer than SLOW_FAILURE_S skips saving for
+# STORE_RETRY_S (consumers encode those items themselves, as with any item not in the store)
+SLOW_FAILURE_S = 0.5
+STORE_RETRY_S = 10.0
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
                 "int32": torch.int32, "int64": torch.int64}
@@ -441,51 +443,48 @@ class AscendECConnector(ECConnectorBase):
             self._rank = 0
         self._regions: dict[str, Region] = {}
         self._loaded: set[str] = set()
-        self._saves: queue.Queue | None = None
-        if self.is_producer and self._rank == self.s.save_rank:
-            self._saves = queue.Queue(maxsize=256)
-            self._saver = threading.Thread(target=self._save_loop, name="ec-saver", daemon=True)
-            self._saver.start()
+        self._saving = self.is_producer and self._rank == self.s.save_rank
+        self._store_retry_at = 0.0  # after a store error, saves are skipped until then
 
+    # Saving runs on the worker's own thread, inside the step that encoded the item: the
+    # encoder's answer (and so the promise the consumer waits for) follows the save. It ran on
+    # a background thread before, and in CI that thread was now and then not run at all for
+    # 5 to 30 s, until the worker's main thread woke for the next request (cause not found);
+    # P/PD then waited `wait_s` and encoded the item itself.
+    # A save costs the step what the copy to the store costs (a few KiB to MiB over a socket).
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
-        if self._saves is None:
-            return
-        self._enqueue(mm_hash, encoder_cache[mm_hash], check=False)
+        if self._saving:
+            self._save(mm_hash, encoder_cache[mm_hash], check=False)
 
     def start_save_caches(self, encoder_cache: dict[str, torch.Tensor] | None = None, **kwargs) -> None:
-        if self._saves is None or encoder_cache is None or self._connector_metadata is None:
+        if not self._saving or encoder_cache is None or self._connector_metadata is None:
             return
         meta = self._get_connector_metadata()
         for mm_hash in getattr(meta, "republish", ()):
             logger.debug("EC republish check %s: in encoder cache %s", mm_hash, mm_hash in encoder_cache)
             if mm_hash in encoder_cache:
-                self._enqueue(mm_hash, encoder_cache[mm_hash], check=True)
+                self._save(mm_hash, encoder_cache[mm_hash], check=True)
 
-    def _enqueue(self, mm_hash: str, tensor: torch.Tensor, check: bool) -> None:
+    def _save(self, mm_hash: str, tensor: torch.Tensor, check: bool) -> None:
+        """Publish one item now; never raises. A store that failed slowly (a timeout: an
+        unanswering host) is not tried again for STORE_RETRY_S, so it costs one step its socket
+        timeout rather than every step; a refused connection fails at once and is retried."""
+        if time.monotonic() < self._store_retry_at:
+            logger.debug("EC save of %s skipped: the store failed less than %.0f s ago", mm_hash, STORE_RETRY_S)
+            return
         host = tensor.detach()
         if host.device.type != "cpu":
             host = host.to("cpu")
+        started = time.monotonic()
         try:
-            self._saves.put_nowait((mm_hash, host, check))
-        except queue.Full:
-            logger.warning("EC saver is behind (256 items queued); %s is not published", mm_hash)
-
-    def _save_loop(self) -> None:
-        # started from vLLM's worker, whose core its OpenMP team spins on: without
-        # widening its mask this thread waits seconds for a time slice
-        unpin_current_thread()
-        while True:
-            job = self._saves.get()
-            if job is None:
-                return
-            mm_hash, tensor, check = job
-            try:
-                self._save_one(mm_hash, tensor, check)
-            except StoreError as exc:
-                logger.debug("EC save of %s failed: %s", mm_hash, exc)
-                self._store_down(exc)
-            except Exception:
-                logger.exception("EC save of %s failed", mm_hash)
+            self._save_one(mm_hash, host, check)
+        except StoreError as exc:
+            if time.monotonic() - started > SLOW_FAILURE_S:
+                self._store_retry_at = time.monotonic() + STORE_RETRY_S
+            logger.debug("EC save of %s failed: %s", mm_hash, exc)
+            self._store_down(exc)
+        except Exception:
+            logger.exception("EC save of %s failed", mm_hash)
 
     def _save_one(self, mm_hash: str, tensor: torch.Tensor, check: bool) -> None:
         dtype = str(tensor.dtype).removeprefix("torch.")
@@ -546,9 +545,6 @@ class AscendECConnector(ECConnectorBase):
 
     def shutdown(self) -> None:
         if self.role_ == ECConnectorRole.WORKER:
-            if self._saves is not None:
-                self._saves.put(None)
-                self._saver.join(timeout=10)
             for region in self._regions.values():
                 region.close()
             self._regions.clear()
