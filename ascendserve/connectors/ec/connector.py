@@ -503,8 +503,8 @@ class AscendECConnector(ECConnectorBase):
             return
         took = time.monotonic() - started
         if took > self.s.wait_s / 2:
-            logger.warning("EC save of %s took %.1f s: a consumer waits %.1f s for it (ec.wait_s), then encodes "
-                           "it itself", mm_hash, took, self.s.wait_s)
+            logger.warning("EC save of %s took %.1f s: this step and the encoder's answer waited for it",
+                           mm_hash, took)
         else:
             logger.debug("EC saved %s in %.1f ms", mm_hash, took * 1000)
 
