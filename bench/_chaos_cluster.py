@@ -18,7 +18,7 @@ from tests.procs import ENGINE_ARGS, ENGINE_ENV, PYTHON, Proc, control, free_por
 TOKEN = "chaos-token"
 ROLES = ("encoder", "prefill", "decode")
 SHORT = {"encoder": "E", "prefill": "P", "decode": "D"}
-KV_CACHE_BYTES = 256 << 20
+
 HEARTBEAT_TIMEOUT_S = 20.0  # on 2 busy cores a heartbeat thread can go 6 s (the default) unscheduled
 SERVING_NICE = 10
 
@@ -43,7 +43,7 @@ class Settings:
 
 @dataclass
 class EngineProc(Proc):
-    """An engine whose KV cache is sized by --kv-cache-memory-bytes (tests/procs sets 1 GiB by environment)."""
+    """An engine whose KV cache is sized by --kv-cache-memory-bytes (ENGINE_ARGS), not by ENGINE_ENV's 1 GiB."""
 
     role: str = ""
 
@@ -79,7 +79,7 @@ class Cluster:
         config = self._toml("engine.toml", f"[ec]\npin_ttl_s = {s.pin_ttl_s}\n")
         argv = [PYTHON, "-m", "ascendserve", "--role", role, "--model", str(s.model), "--port", str(port),
                 *ENGINE_ARGS, "--config", config, "--cluster-token", TOKEN, "--metaserver-url", self.meta.url,
-                "--log-format", "json", f"--vllm-arg=--kv-cache-memory-bytes={KV_CACHE_BYTES}", *extra]
+                "--log-format", "json", *extra]  # ENGINE_ARGS: a 256 MiB KV cache
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
         name = f"{SHORT[role]}{i}"
         return EngineProc(name, argv, port, s.log_dir / f"{name}.log", env, role=role)

@@ -121,7 +121,6 @@ def _memory_of_direct_starts(request):
 # `-m wip`), whatever else -m selects.
 
 import ast
-import os
 import re
 import threading
 
@@ -382,11 +381,15 @@ def pytest_sessionfinish(session, exitstatus):
     """Stop the session-wide engines (once every worker is done) and check they left nothing."""
     if not _controller(session.config):
         return
+    from tests.memory import waits_summary
     from tests.shared_engines import end_session
 
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    waits = waits_summary()  # before end_session removes the directory it is kept in
+    if waits:
+        (reporter.write_line if reporter else print)(f"tests.memory: {waits}")
     problems = end_session()
     if problems:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         for line in problems:
             (reporter.write_line if reporter else print)(f"session-wide engine left something: {line}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -6,10 +6,12 @@ stops; a start that would take the reserved total over the budget waits until it
 ledger is one JSON file under an flock (LEDGER); a reservation whose owner process died is
 dropped when the ledger is next read, so a killed worker frees what it held.
 
-Estimates (GiB "used" memory as `free` counts it, measured on this host with tiny models and
-VLLM_CPU_KVCACHE_SPACE=1): an instance is an API server (~0.65 GiB RSS), an engine core and a
-worker (~0.9) plus its KV cache, ~2 GiB in all; each further TP/DP rank adds a worker with its
-own KV, ~1.5 GiB.
+Estimates (GiB of proportional set size, measured on this host with the tiny text model,
+2026-12-02): an instance is an API server (~0.4), an engine core (~0.3) and a worker (~0.55)
+plus its KV cache, ~1.3 GiB before the KV cache; each further TP/DP rank adds a worker with
+its own KV cache. The suite's tuned engines ask for a 256 MiB KV cache (tests/procs.py
+ENGINE_ARGS): 1.55 GiB measured for a pd role, against 2.28 GiB with 1 GiB of KV
+(VLLM_CPU_KVCACHE_SPACE=1, the estimate for an engine that names no KV size).
 
 Waiting has a deadline (WAIT_S, then TimeoutError naming the holders). Two waiters can block
 each other only when each holds what the other needs; when every holder of memory is itself
@@ -31,8 +33,10 @@ from pathlib import Path
 from tests.reaper import alive as _alive
 
 LEDGER = Path(os.environ.get("ASCENDSERVE_TEST_LEDGER", "/tmp/ascendserve-test-memory.json"))
-INSTANCE_GIB = 2.0
-RANK_GIB = 1.5
+INSTANCE_GIB = 1.3  # API server, engine core and one worker, without the KV cache
+RANK_GIB = 0.6  # a further worker, without its KV cache
+KV_GIB = 1.0  # VLLM_CPU_KVCACHE_SPACE=1 (tests/procs.py ENGINE_ENV), for an engine that names no other size
+ROLE_KV_GIB = 0.5  # an untuned engine role sizes its own: 16 sequences of the model's length, 128-256 MiB here
 MARGIN_GIB = 3.5  # pytest itself, control-plane roles, memcached, page cache for the models
 WAIT_S = 1800.0
 POLL_S = 0.5
@@ -47,8 +51,9 @@ def budget_gib() -> float:
     return total_kib / 2**20 - MARGIN_GIB
 
 
-def engine_gib(ranks: int = 1) -> float:
-    return INSTANCE_GIB + RANK_GIB * max(ranks - 1, 0)
+def engine_gib(ranks: int = 1, kv_gib: float = KV_GIB) -> float:
+    """An engine instance of `ranks` workers, each with a KV cache of kv_gib."""
+    return INSTANCE_GIB + kv_gib + (RANK_GIB + kv_gib) * max(ranks - 1, 0)
 
 
 @contextmanager
@@ -89,7 +94,8 @@ def reserve_many(wants: list[tuple[float, str]], owner: int | None = None, wait_
     keys = [f"{key}-{i}" for i in range(len(wants))]
     me = os.getpid()
     owner = owner or me
-    deadline = time.monotonic() + wait_s
+    started = time.monotonic()
+    deadline = started + wait_s
     budget = budget_gib()
     gib = sum(g for g, _ in wants)
     what = ", ".join(w for _, w in wants)
@@ -107,6 +113,8 @@ def reserve_many(wants: list[tuple[float, str]], owner: int | None = None, wait_
                 for k, (g, w) in zip(keys, wants):
                     entries[k] = {"owner": owner, "waiter": me, "gib": g, "what": w, "state": "held",
                                   "since": time.time()}
+                if announced:
+                    _note_wait(what, gib, time.monotonic() - started)
                 return keys
             entries.setdefault(key, {"owner": owner, "waiter": me, "gib": 0.0, "wants": gib, "what": what,
                                      "state": "waiting", "since": time.time()})
@@ -123,6 +131,41 @@ def reserve_many(wants: list[tuple[float, str]], owner: int | None = None, wait_
                   file=sys.stderr)
             announced = True
         time.sleep(POLL_S)
+
+
+WAITS_FILE = "memory-waits.jsonl"  # in the session's shared directory (tests/shared_engines.py)
+
+
+def _waits_path() -> Path | None:
+    value = os.environ.get("ASCENDSERVE_TEST_SHARED_DIR")
+    return Path(value) / WAITS_FILE if value else None
+
+
+def _note_wait(what: str, gib: float, seconds: float) -> None:
+    """Record a start that waited for the budget, for the session's summary (waits_summary)."""
+    path = _waits_path()
+    if path is None:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({"what": what, "gib": round(gib, 2), "s": round(seconds, 1), "pid": os.getpid()}) + "\n")
+    except OSError:
+        pass
+
+
+def waits_summary() -> str | None:
+    """One line on the session's waits for the budget (engine starts held back while both workers'
+    engines filled it): how many, how long in all, the longest; None when nothing waited."""
+    path = _waits_path()
+    if path is None or not path.exists():
+        return None
+    waits = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not waits:
+        return None
+    longest = sorted(waits, key=lambda w: -w["s"])[:3]
+    return (f"{len(waits)} engine start(s) waited for the memory budget ({budget_gib():.1f} GiB), "
+            f"{sum(w['s'] for w in waits):.0f} s in all; longest: "
+            + "; ".join(f"{w['what']} {w['s']:.0f} s" for w in longest))
 
 
 def _stuck(entries: dict, key: str) -> bool:

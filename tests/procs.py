@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -40,8 +39,15 @@ ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-# The same engine settings for ours and for plain vLLM, so outputs compare.
-ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096"]
+# The same engine settings for ours and for plain vLLM, so outputs compare. The KV cache is 256 MiB
+# (ENGINE_ENV's 1 GiB is for engines started without these arguments): 131k tokens of the tiny
+# text model, 58k of the MLA one, more than any test keeps at once, and 0.75 GiB less per
+# instance, so that two workers' engines fit the memory budget (tests/memory.py) side by side
+# instead of waiting for each other. An argument given, the variable is dropped (vLLM's CPU
+# platform would let it override the argument).
+KV_CACHE_BYTES = 256 << 20
+ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+               "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
 
 
 def all_role_port() -> int:
@@ -72,6 +78,19 @@ def engine_ranks(argv: list) -> int:
             if value.isdigit():
                 sizes[_RANK_FLAGS[flag]] = int(value)
     return sizes["tp"] * sizes["dp"] * (2 if role == "all" else 1)
+
+
+def kv_cache_bytes(argv: list) -> int | None:
+    """The KV cache size a command line asks for (--kv-cache-memory-bytes, also through
+    --vllm-arg=...), or None."""
+    args = [str(a) for a in argv]
+    for i, a in enumerate(args):
+        a = a.removeprefix("--vllm-arg=")
+        flag, eq, value = a.partition("=")
+        if flag == "--kv-cache-memory-bytes":
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def _terminate_with_parent() -> None:
@@ -129,7 +148,17 @@ class Proc:
         if self.memory_gib is not None:
             return self.memory_gib
         ranks = engine_ranks(self.argv)
-        return memory.engine_gib(ranks) if ranks else 0.0
+        if not ranks:
+            return 0.0
+        kv = kv_cache_bytes(self.argv)
+        if kv is not None:
+            return memory.engine_gib(ranks, kv / 2**30)
+        space = self.environment().get("VLLM_CPU_KVCACHE_SPACE")
+        if space:
+            return memory.engine_gib(ranks, float(space))
+        # neither: an ascendserve role sizes its own (16 sequences of the model's length), plain vLLM
+        # takes 0.92 of memory and refuses to start here
+        return memory.engine_gib(ranks, memory.ROLE_KV_GIB)
 
     def reserve_memory(self) -> None:
         if not self.memory_keys and self.memory_wanted() > 0:
@@ -167,6 +196,8 @@ class Proc:
         `core`: the core its engines are pinned to (pinned_core), if any."""
         pin = {} if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)}  # vLLM binds its own threads
         env = {**os.environ, **ENGINE_ENV, **pin, **self.env}
+        if kv_cache_bytes(self.argv) is not None and "VLLM_CPU_KVCACHE_SPACE" not in self.env:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the argument (ENGINE_ARGS)
         return {k: v for k, v in env.items() if v is not None}
 
     def log_text(self) -> str:

@@ -15,6 +15,7 @@ import pytest
 
 from bench.chaos import ROLES, Settings, print_report, run
 from tests import memory
+from tests.procs import KV_CACHE_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration
 def _chaos_memory():
     """bench.chaos starts its six engines itself (not through tests.procs): their memory is
     reserved here for the module (tests/memory.py)."""
-    with memory.reserved(6 * memory.engine_gib(), "chaos cluster (2 E, 2 P, 2 D)"):
+    with memory.reserved(6 * memory.engine_gib(kv_gib=KV_CACHE_BYTES / 2**30), "chaos cluster (2 E, 2 P, 2 D)"):
         yield
 
 
