@@ -238,26 +238,28 @@ def pytest_collection_modifyitems(config, items):
 # What the workers share (the models, the oracles: tests/shared_engines.py), their ports
 # (tests/ports.py) and the memory budget that keeps their engines within the host's memory
 # (tests/memory.py) are set up by the controlling process.
-MODULE_SECONDS = {  # wall time of the module on one of two workers, fixtures included (2026-12-01)
-    "tests/integration/test_tarball.py": 738,  # its release build included, when not prebuilt
-    "tests/integration/test_epd.py": 572,
-    "tests/integration/test_netloader.py": 516,
-    "tests/integration/test_kv_failures.py": 504,
-    "tests/integration/test_kv_pull.py": 447,
-    "tests/integration/test_kv_push.py": 329,
-    "tests/integration/test_moe.py": 300,  # estimated
-    "tests/integration/test_kv_mla.py": 240,  # one process, 2026-12-02
-    "tests/integration/test_defaults.py": 302,
-    "tests/integration/test_startup_stop.py": 265,
-    "tests/integration/test_chaos.py": 264,
-    "tests/integration/test_launch.py": 100,
-    "tests/integration/test_topologies.py": 99,
-    "tests/integration/test_all_role.py": 95,
-    "tests/integration/test_kv_hetero_tp.py": 50,
-    "tests/integration/test_pd_role.py": 44,
-    "tests/integration/test_proxy_stubs.py": 25,
-    "tests/integration/test_security.py": 24,
-    "tests/integration/test_load.py": 19,
+MODULE_SECONDS = {  # the module's test seconds on one of two workers, fixtures included (CI run of 2026-12-02)
+    "tests/integration/test_tarball.py": 738,  # 318 prebuilt (CI); first anyway: a local run builds it
+    "tests/integration/test_epd.py": 549,
+    "tests/integration/test_netloader.py": 420,
+    "tests/integration/test_kv_mla.py": 396,  # 140 s of it waited for the memory budget
+    "tests/integration/test_moe.py": 375,  # 80 s of it waited for the memory budget
+    "tests/integration/test_kv_pull.py": 260,
+    "tests/integration/test_defaults.py": 242,
+    "tests/integration/test_chaos.py": 228,
+    "tests/integration/test_kv_failures.py": 184,
+    "tests/integration/test_startup_stop.py": 169,
+    "tests/integration/test_kv_push.py": 167,
+    "tests/integration/test_topologies.py": 123,
+    "tests/integration/test_all_role.py": 105,
+    "tests/integration/test_launch.py": 59,
+    "tests/integration/test_kv_hetero_tp.py": 42,
+    "tests/integration/test_proxy_stubs.py": 35,
+    "tests/integration/test_pd_role.py": 34,
+    "tests/fuzz/test_decoders.py": 31,
+    "tests/integration/test_load.py": 27,
+    "tests/unit/test_vllm_patches.py": 22,
+    "tests/integration/test_security.py": 18,
 }
 
 
