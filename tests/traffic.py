@@ -153,14 +153,16 @@ def repeat_bound(first_s: float) -> float:
 
 
 def check_repeats(url: str, oracle_url: str, model: str, prompt: str, times: int = 3,
-                  tie_nats: float = TIE_NATS) -> list[float]:
+                  tie_nats: float = TIE_NATS, oracle_model: str | None = None) -> list[float]:
     """The same completion `times` times, one after another: each equals the oracle's and
-    finishes within the bound of the first. Returns the wall times."""
-    expected, _ = completion(oracle_url, model, prompt)
+    finishes within the bound of the first. Returns the wall times. `oracle_model`: the name
+    the oracle serves the same weights under, when it is not `model` (another directory)."""
+    oracle_model = oracle_model or model
+    expected, _ = completion(oracle_url, oracle_model, prompt)
     seconds = []
     for i in range(times):
         ids, s = completion(url, model, prompt)
-        assert_greedy(ids, expected, oracle_url, completion_body(model, prompt), f"repeat {i + 1} of a "
+        assert_greedy(ids, expected, oracle_url, completion_body(oracle_model, prompt), f"repeat {i + 1} of a "
                       f"{len(prompt)}-token prompt", tie_nats)
         seconds.append(s)
     for i, s in enumerate(seconds[1:], 2):
@@ -181,40 +183,46 @@ def shared_prefix_prompts(seed: int) -> dict[str, list[str]]:
     }
 
 
-def check_shared_prefixes(url: str, oracle_url: str, model: str, seed: int = 0, tie_nats: float = TIE_NATS) -> int:
+def check_shared_prefixes(url: str, oracle_url: str, model: str, seed: int = 0, tie_nats: float = TIE_NATS,
+                          oracle_model: str | None = None) -> int:
     """Each group in order (the first primes the caches, the rest hit them); returns requests sent."""
+    oracle_model = oracle_model or model
     sent = 0
     for name, prompts in shared_prefix_prompts(seed).items():
         for prompt in prompts:
             ids, _ = completion(url, model, prompt)
-            assert_greedy(ids, completion(oracle_url, model, prompt)[0], oracle_url, completion_body(model, prompt),
-                          f"shared prefix ({name})", tie_nats)
+            assert_greedy(ids, completion(oracle_url, oracle_model, prompt)[0], oracle_url,
+                          completion_body(oracle_model, prompt), f"shared prefix ({name})", tie_nats)
             sent += 1
     return sent
 
 
-def check_mixed(url: str, oracle_url: str, model: str, seed: int = 0, tie_nats: float = TIE_NATS) -> int:
+def check_mixed(url: str, oracle_url: str, model: str, seed: int = 0, tie_nats: float = TIE_NATS,
+                oracle_model: str | None = None) -> int:
     """Chat and completions, streamed and not, a system prompt shared between two chats;
     returns requests sent."""
+    oracle_model = oracle_model or model
     system = {"role": "system", "content": text(seed + 20, 2 * BLOCK)}
     chats = [[system, {"role": "user", "content": "What is the tide doing tonight?"}],
              [system, {"role": "user", "content": "And where is the lantern kept?"}]]
     sent = 0
     for messages in chats:
-        expected, _ = chat(oracle_url, model, messages)
+        expected, _ = chat(oracle_url, oracle_model, messages)
         for stream in (False, True):
             assert_greedy(chat(url, model, messages, stream=stream)[0], expected, oracle_url,
-                          chat_body(model, messages), f"chat, stream={stream}", tie_nats)
+                          chat_body(oracle_model, messages), f"chat, stream={stream}", tie_nats)
             sent += 1
     prompt = text(seed + 30, BLOCK + 50)
-    expected, _ = completion(oracle_url, model, prompt)
-    assert_greedy(completion(url, model, prompt, stream=True)[0], expected, oracle_url, completion_body(model, prompt),
-                  "streamed completion", tie_nats)
+    expected, _ = completion(oracle_url, oracle_model, prompt)
+    assert_greedy(completion(url, model, prompt, stream=True)[0], expected, oracle_url,
+                  completion_body(oracle_model, prompt), "streamed completion", tie_nats)
     return sent + 1
 
 
-def check_user_traffic(url: str, oracle_url: str, model: str, seed: int = 0, tie_nats: float = TIE_NATS) -> int:
-    """All of the above against one topology; returns the requests sent to `url`."""
-    check_repeats(url, oracle_url, model, text(seed + 40, 300), tie_nats=tie_nats)
-    return (3 + check_shared_prefixes(url, oracle_url, model, seed, tie_nats)
-            + check_mixed(url, oracle_url, model, seed, tie_nats))
+def check_user_traffic(url: str, oracle_url: str, model: str, seed: int = 0, tie_nats: float = TIE_NATS,
+                       oracle_model: str | None = None) -> int:
+    """All of the above against one topology; returns the requests sent to `url`. `oracle_model`:
+    the oracle's name for the same weights, when it serves them from another directory."""
+    check_repeats(url, oracle_url, model, text(seed + 40, 300), tie_nats=tie_nats, oracle_model=oracle_model)
+    return (3 + check_shared_prefixes(url, oracle_url, model, seed, tie_nats, oracle_model)
+            + check_mixed(url, oracle_url, model, seed, tie_nats, oracle_model))

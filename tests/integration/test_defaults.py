@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from ascendserve.launch.children import kill_group
@@ -27,32 +27,35 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def user_model(tmp_path_factory) -> Path:
-    """A model of the user's own: built here, not the demo the `all` role makes itself."""
+def user_model(text_model, tmp_path_factory) -> Path:
+    """A model of the user's own: a directory of theirs, not the demo the `all` role makes itself.
+    It holds the suite's tiny text model, so that the session's untuned plain vLLM on that model
+    is its oracle (one engine start less than an oracle of its own)."""
     out = tmp_path_factory.mktemp("user-model") / "my-model"
-    subprocess.run([sys.executable, "-m", "ascendserve", "model", "tiny", "--seed", "3", "--out", str(out)],
-                   check=True, capture_output=True, timeout=300)
+    shutil.copytree(text_model, out)
     return out
 
 
 @pytest.fixture(scope="module")
-def oracle(user_model, tmp_path_factory):
-    from tests.procs import plain_vllm
-
-    proc = plain_vllm(user_model, tmp_path_factory.mktemp("defaults-oracle"), name="vllm-defaults", tuned=False)
-    start_all(proc)
-    yield proc
-    proc.stop()
+def oracle(untuned_text_oracle):
+    """Plain vLLM with vLLM's defaults on the same weights (tests/integration/conftest.py),
+    serving them under the name of the suite's model directory."""
+    return untuned_text_oracle
 
 
-def test_pd_role_with_no_flags_serves_users(user_model, oracle, tmp_path):
+def check(url: str, oracle, user_model: Path, text_model: Path) -> int:
+    return check_user_traffic(url, oracle.url, str(user_model), tie_nats=BF16_TIE_NATS,
+                              oracle_model=str(text_model))
+
+
+def test_pd_role_with_no_flags_serves_users(user_model, text_model, oracle, tmp_path):
     pd = ascendserve("pd", user_model, tmp_path, tuned=False)
     start_all(pd)
     try:
         argv = next(json.loads(line)["vllm_args"] for line in pd.log_text().splitlines()
                     if '"starting vLLM"' in line)
         assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv
-        check_user_traffic(pd.url, oracle.url, str(user_model), tie_nats=BF16_TIE_NATS)
+        check(pd.url, oracle, user_model, text_model)
     finally:
         pd.stop()
 
@@ -104,11 +107,11 @@ def _events(log: Path, name: str) -> list[dict]:
 # unless ENGINE_OVERHEAD_BYTES (3 GiB) plus a KV cache is free (CI: 4.0 reserved, 5.55 GiB free)
 @pytest.mark.memory_gib(6.5)
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_all_1p1d_with_a_users_model_and_no_flags(user_model, oracle, tmp_path, mode):
+def test_all_1p1d_with_a_users_model_and_no_flags(user_model, text_model, oracle, tmp_path, mode):
     proc, url, log = _start_all_role(user_model, tmp_path, *(["--mode", "push"] if mode == "push" else []))
     try:
         _wait_ready(proc, log)
-        sent = check_user_traffic(url, oracle.url, str(user_model), tie_nats=BF16_TIE_NATS)
+        sent = check(url, oracle, user_model, text_model)
         # every request's KV came over from P: nothing stalled into a recompute
         received = _events(log, "KV received") if mode == "push" else _events(log, "KV pulled")
         assert len(received) >= sent, f"{len(received)} KV hand-offs for {sent} requests"

@@ -28,7 +28,7 @@ import pytest
 
 from ascendserve import __version__
 from ascendserve.launch.children import kill_group
-from tests.procs import PYTHON, REPO, Proc, completion_ids, all_role_port, free_port, wait_for
+from tests.procs import REPO, all_role_port, completion_ids, wait_for
 
 pytestmark = pytest.mark.integration
 BUILD_TIMEOUT_S = 1800
@@ -200,30 +200,34 @@ def _answers(url: str, model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def user_model(release, tmp_path_factory) -> Path:
-    """A tiny model of the user's own (not the demo's), written by the bundle's `model tiny`."""
+def user_model(release, text_model, tmp_path_factory) -> Path:
+    """A tiny model of the user's own (not the demo's), written by the bundle's `model tiny`:
+    byte for byte the suite's text model, which the environment the bundle was frozen from
+    built with the same command (so the session's plain vLLM on that model is the reference)."""
     base = tmp_path_factory.mktemp("user-model")
     out = base / "models" / "tiny-qwen"
     env = _clean_env(base)
     try:
-        _run(release, env, base / "cwd", "model", "tiny", "--out", str(out), "--seed", "7", timeout=180)
+        _run(release, env, base / "cwd", "model", "tiny", "--kind", "text", "--out", str(out), timeout=180)
     finally:
         shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     assert (out / "config.json").is_file()
+    ours, suite = (sorted(p.name for p in d.glob("*.safetensors")) for d in (out, text_model))
+    assert ours == suite and ours
+    for name in ours:
+        assert (out / name).read_bytes() == (text_model / name).read_bytes(), f"the bundle's {name} differs"
     return out
 
 
-@pytest.mark.memory_gib(4.0)  # the bundle's P and D (the reference is a tests.procs.Proc: reserved apart)
-def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, clean_env, tmp_path):
+@pytest.mark.memory_gib(4.0)  # the bundle's P and D (the reference is the session's, reserved apart)
+def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, text_model, untuned_text_oracle, clean_env,
+                                              tmp_path):
     env = clean_env
     cwd = tmp_path / "cwd"
     model = str(user_model)
-    # the reference: plain vLLM from the environment the bundle was frozen from, default mode too
-    # (tests/procs' ENGINE_ENV: VLLM_CPU_KVCACHE_SPACE sizes its KV, which outputs do not depend on)
-    ref_port = free_port()
-    ref = Proc("vllm-reference", [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                                  "--host", "127.0.0.1", "--port", str(ref_port)],
-               ref_port, tmp_path / "vllm-reference.log", {})
+    # the reference: plain vLLM from the environment the bundle was frozen from, default mode too,
+    # on the same weights (user_model): the session's (tests/integration/conftest.py)
+    ref = untuned_text_oracle
     port = all_role_port()
     url = f"http://127.0.0.1:{port}"
     run_dir = tmp_path / "run"
@@ -233,7 +237,6 @@ def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, clean_env, tm
     proc = subprocess.Popen([str(release / "bin" / "ascendserve"), "--role", "all", "--topology", "1P1D",
                              "--model", model, "--port", str(port), "--runtime-dir", str(run_dir)],
                             env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    ref.start()
     try:
         def healthy() -> bool:
             assert proc.poll() is None, log_path.read_text()[-6000:]
@@ -245,8 +248,7 @@ def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, clean_env, tm
         wait_for(healthy, 600, "the bundle's 1P1D cluster never became healthy")
         ready_s = time.monotonic() - start
         ours = _answers(url, model)
-        ref.wait_ready(600)
-        expected = _answers(ref.url, model)
+        expected = _answers(ref.url, str(text_model))
         assert ours == expected
         assert all(len(ids) == 12 for key, ids in ours.items() if key != "chat" and isinstance(ids, list))
         text = log_path.read_text()
@@ -260,7 +262,6 @@ def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, clean_env, tm
         assert proc.wait(90) == 0
         print(f"bundle: --role all 1P1D (compiled) healthy after {ready_s:.1f} s")
     finally:
-        ref.stop()
         if proc.poll() is None:
             proc.kill()
         kill_group(proc.pid)
