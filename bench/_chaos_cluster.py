@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from ascendserve.launch.shm_ledger import inodes_in_use, mapped_by
-from tests.procs import ENGINE_ARGS, ENGINE_ENV, PYTHON, Proc, control, free_port_run, start_all, wait_for
+from tests.procs import ENGINE_ARGS, PYTHON, Proc, control, free_port_run, start_all, wait_for
 
 TOKEN = "chaos-token"
 ROLES = ("encoder", "prefill", "decode")
@@ -43,13 +43,13 @@ class Settings:
 
 @dataclass
 class EngineProc(Proc):
-    """An engine whose KV cache is sized by --kv-cache-memory-bytes (ENGINE_ARGS), not by ENGINE_ENV's 1 GiB."""
+    """An engine started without a memory reservation (tests/integration/test_chaos.py reserves the
+    cluster's); its environment is Proc's (the KV cache is ENGINE_ARGS' 256 MiB)."""
 
     role: str = ""
 
     def start(self) -> "EngineProc":
-        env = {**os.environ, **ENGINE_ENV, **self.env}
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env = self.environment()
         self._log = open(self.log_path, "ab")  # a restart appends
         self.popen = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)

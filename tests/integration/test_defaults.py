@@ -36,26 +36,21 @@ def user_model(text_model, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def oracle(untuned_text_oracle):
-    """Plain vLLM with vLLM's defaults on the same weights (tests/integration/conftest.py),
-    serving them under the name of the suite's model directory."""
-    return untuned_text_oracle
-
-
 def check(url: str, oracle, user_model: Path, text_model: Path) -> int:
+    """Users' traffic to `url`, compared with the oracle: plain vLLM with vLLM's defaults on the same
+    weights (untuned_text_oracle), which serves them under the suite's model directory's name."""
     return check_user_traffic(url, oracle.url, str(user_model), tie_nats=BF16_TIE_NATS,
                               oracle_model=str(text_model))
 
 
-def test_pd_role_with_no_flags_serves_users(user_model, text_model, oracle, tmp_path):
+def test_pd_role_with_no_flags_serves_users(user_model, text_model, untuned_text_oracle, tmp_path):
     pd = ascendserve("pd", user_model, tmp_path, tuned=False)
     start_all(pd)
     try:
         argv = next(json.loads(line)["vllm_args"] for line in pd.log_text().splitlines()
                     if '"starting vLLM"' in line)
         assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv
-        check(pd.url, oracle, user_model, text_model)
+        check(pd.url, untuned_text_oracle, user_model, text_model)
     finally:
         pd.stop()
 
@@ -107,11 +102,11 @@ def _events(log: Path, name: str) -> list[dict]:
 # unless ENGINE_OVERHEAD_BYTES (3 GiB) plus a KV cache is free (CI: 4.0 reserved, 5.55 GiB free)
 @pytest.mark.memory_gib(6.5)
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_all_1p1d_with_a_users_model_and_no_flags(user_model, text_model, oracle, tmp_path, mode):
+def test_all_1p1d_with_a_users_model_and_no_flags(user_model, text_model, untuned_text_oracle, tmp_path, mode):
     proc, url, log = _start_all_role(user_model, tmp_path, *(["--mode", "push"] if mode == "push" else []))
     try:
         _wait_ready(proc, log)
-        sent = check(url, oracle, user_model, text_model)
+        sent = check(url, untuned_text_oracle, user_model, text_model)
         # every request's KV came over from P: nothing stalled into a recompute
         received = _events(log, "KV received") if mode == "push" else _events(log, "KV pulled")
         assert len(received) >= sent, f"{len(received)} KV hand-offs for {sent} requests"
