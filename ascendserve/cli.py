@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ascendserve import __version__
@@ -35,6 +36,8 @@ ROLE_MODULES = {
     "elastic-server": "roles.elastic_server",
     "all": "roles.all",
 }
+
+ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")  # vLLM runs in the role's own process
 
 ROLE_SUMMARY = {
     "encoder": "multimodal encoder only; publishes encoder outputs (EC) by mm_hash",
@@ -117,6 +120,13 @@ def _run_role(argv: list[str]) -> int:
             f"role {config.role!r} is not available in this build (ascendserve {__version__}); "
             f"available: {', '.join(ROLE_MODULES)}"
         )
+    if config.role in ENGINE_ROLES:
+        # before anything starts a thread: the engine's processes get the libraries vLLM preloads
+        # into its workers, so that those can be forked (engine/patches/worker_fork.py)
+        from ascendserve.engine.host_defaults import process_env
+        from ascendserve.engine.patches import worker_fork
+
+        worker_fork.reexec_with_preload({**os.environ, **process_env()})
     from ascendserve.logging import configure, get_logger
 
     configure(config.role, config.instance_id, config.log.level, config.log.format, secrets(config))

@@ -23,6 +23,10 @@ therefore gets, unless a setting says otherwise:
   server instead of spawned, so it does not import torch and vLLM a second
   time (engine/patches/core_fork.py; measured here: ready in 18-22 s instead
   of 30 s).
+- ASCENDSERVE_WORKER_START=fork: its workers are forked from the engine core
+  too, bound to their cores as vLLM would bind a spawned one, and the engine
+  role re-executes itself once at its start with the libraries vLLM preloads
+  into its workers (engine/patches/worker_fork.py; measured here: PLACEHOLDER).
 
 An explicit setting always wins: engine.kv_cache_memory_bytes,
 engine.gpu_memory_utilization, VLLM_CPU_KVCACHE_SPACE, ASCENDSERVE_SHM_NAP_MS
@@ -42,7 +46,7 @@ from pathlib import Path
 import psutil
 
 from ascendserve.config import Config, ConfigError, environ
-from ascendserve.engine.patches import core_fork, idle_poll  # stdlib-only modules: no vLLM import
+from ascendserve.engine.patches import core_fork, idle_poll, worker_fork  # stdlib-only: no vLLM import
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -118,6 +122,7 @@ def _passthrough_keys(config: Config) -> set[str]:
 
 SHM_NAP_MS = "0.5"  # a waiting reader's nap, after 20 ms without a step: at most that per request
 CORE_START = "fork"
+WORKER_START = "fork"
 
 
 def process_env(*, cpu: bool | None = None) -> dict[str, str]:
@@ -126,7 +131,7 @@ def process_env(*, cpu: bool | None = None) -> dict[str, str]:
     a variable the user set stays as it is, and accelerator hosts keep vLLM's ways."""
     if not (is_cpu_host() if cpu is None else cpu):
         return {}
-    ours = {idle_poll.ENV: SHM_NAP_MS, core_fork.ENV: CORE_START}
+    ours = {idle_poll.ENV: SHM_NAP_MS, core_fork.ENV: CORE_START, worker_fork.ENV: WORKER_START}
     mine = environ()
     return {k: v for k, v in ours.items() if k not in mine}
 

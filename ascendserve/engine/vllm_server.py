@@ -279,6 +279,9 @@ def serve(config: Config) -> int:
     log.info("starting vLLM", vllm_args=redact_args(argv))
     held = _hold_ec_region(config)
     seed = SeedThread(config).start() if config.netloader.serve else None
+    from ascendserve.engine.patches.worker_fork import hold_threads
+
+    hold_threads()  # one OpenMP thread until the engine cores are forked: its workers fork too
     try:
         return _run(argv)
     finally:

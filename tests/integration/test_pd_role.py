@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
@@ -81,9 +82,11 @@ def _heap_start(p: psutil.Process) -> str:
         return next(line.split("-", 1)[0] for line in f if line.rstrip().endswith("[heap]"))
 
 
-def test_engine_core_is_forked_and_its_worker_spawned(pd):
-    """engine/patches/core_fork.py on this CPU host: the engine core does not import torch and
-    vLLM again (a fork of the role's process); its worker is exec'd (spawned) as vLLM does."""
+def test_engine_core_and_worker_are_forked_and_bound(pd):
+    """engine/patches/core_fork.py and worker_fork.py on this CPU host: neither the engine core
+    nor its worker imports torch and vLLM again (each is a fork of its parent: same heap start),
+    the role re-executed itself once with vLLM's preloaded libraries, which the worker has, and
+    the worker's threads are bound to the core vLLM gave it, as a spawned worker's are."""
     with open("/proc/sys/kernel/randomize_va_space") as f:
         if f.read().strip() == "0":
             pytest.skip("address space randomization is off: a fork and an exec look alike")
@@ -94,7 +97,15 @@ def test_engine_core_is_forked_and_its_worker_spawned(pd):
     assert cores[0].ppid() == pd.pid and workers[0].ppid() == cores[0].pid
     role = psutil.Process(pd.pid)
     assert _heap_start(cores[0]) == _heap_start(role), "the engine core was spawned, not forked"
-    assert _heap_start(workers[0]) != _heap_start(cores[0]), "the worker was forked, not spawned"
+    assert _heap_start(workers[0]) == _heap_start(cores[0]), "the worker was spawned, not forked"
+    assert role.environ().get("ASCENDSERVE_PRELOADED") == "1"
+    with open(f"/proc/{workers[0].pid}/maps") as f:
+        mapped = f.read()
+    for lib in role.environ()["LD_PRELOAD"].split(":"):
+        assert os.path.realpath(lib) in mapped, lib
+    bound = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{workers[0].pid}/task")}
+    assert len(bound) == 1 and len(next(iter(bound))) == 1, bound  # one core (OMP_NUM_THREADS=1), all threads
+    assert "workers spawned, not forked" not in pd.log_text()
 
 
 def test_bad_request_is_a_4xx_with_openai_error(client, text_model):

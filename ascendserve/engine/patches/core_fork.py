@@ -133,6 +133,15 @@ class _EngineCoreProcess(multiprocessing.context.ForkProcess):
         die_with_parent()
         super().run()
 
+    def start(self):
+        super().start()
+        # the API server held its OpenMP threads at one so that this fork (and the workers it
+        # forks) inherited no thread pool (worker_fork.py); with the engine core forked it takes
+        # its own count back
+        from ascendserve.engine.patches.worker_fork import release_threads
+
+        release_threads()
+
 
 class _ForkContext(multiprocessing.context.ForkContext):
     """The fork context, with children that first let go of the parent's TCP sockets."""
