@@ -104,7 +104,7 @@ def _model_command(argv: list[str]) -> int:
     return 0
 
 
-def _run_role(argv: list[str]) -> int:
+def _run_role(argv: list[str], command_line: bool = False) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--role", choices=ROLES)
     known, _ = pre.parse_known_args(argv)
@@ -120,9 +120,11 @@ def _run_role(argv: list[str]) -> int:
             f"role {config.role!r} is not available in this build (ascendserve {__version__}); "
             f"available: {', '.join(ROLE_MODULES)}"
         )
-    if config.role in ENGINE_ROLES:
+    if config.role in ENGINE_ROLES and command_line:
         # before anything starts a thread: the engine's processes get the libraries vLLM preloads
-        # into its workers, so that those can be forked (engine/patches/worker_fork.py)
+        # into its workers, so that those can be forked (engine/patches/worker_fork.py). Only a
+        # process started as this command re-executes itself: main(argv) called by a program
+        # would run that program again
         from ascendserve.engine.host_defaults import process_env
         from ascendserve.engine.patches import worker_fork
 
@@ -141,6 +143,7 @@ def _run_role(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["version"]:
         print(f"ascendserve {__version__}")
@@ -155,5 +158,5 @@ def main(argv: list[str] | None = None) -> None:
         from ascendserve.doctor import main as doctor
 
         sys.exit(doctor(argv[1:]))
-    sys.exit(_run_role(argv))
+    sys.exit(_run_role(argv, command_line))
 

@@ -6,8 +6,9 @@
 tree (DIR/bin/ascendserve, ./build.sh's output) next to the venv.
 
 Ready = /v1/models answers 200. Besides the roles as they start by default:
-"engine core spawned" is the same pd with ASCENDSERVE_ENGINE_CORE_START=spawn
-(vLLM's CPU start, before engine/patches/core_fork.py); the untuned pd (no
+"worker spawned" is the same pd with ASCENDSERVE_WORKER_START=spawn (before
+engine/patches/worker_fork.py), "engine core and worker spawned" adds
+ASCENDSERVE_ENGINE_CORE_START=spawn (vLLM's CPU start, before core_fork.py); the untuned pd (no
 --enforce-eager: vLLM compiles) starts twice on a compile cache of its own,
 empty at the first start (vLLM 0.32 under torch 2.13 cannot load what it
 saved: the second start compiles again, README "Engine defaults on a CPU
@@ -97,8 +98,11 @@ def main() -> None:
         cases = {
             "plain vLLM (text, peer)": lambda: plain_vllm(models["text"], logs),
             "pd (text)": lambda: ascendserve("pd", models["text"], logs),
-            "pd (text), engine core spawned": lambda: ascendserve(
-                "pd", models["text"], logs, name="pd-spawn", env={"ASCENDSERVE_ENGINE_CORE_START": "spawn"}),
+            "pd (text), worker spawned": lambda: ascendserve(
+                "pd", models["text"], logs, name="pd-spawn-worker", env={"ASCENDSERVE_WORKER_START": "spawn"}),
+            "pd (text), engine core and worker spawned": lambda: ascendserve(
+                "pd", models["text"], logs, name="pd-spawn", env={"ASCENDSERVE_ENGINE_CORE_START": "spawn",
+                                                                  "ASCENDSERVE_WORKER_START": "spawn"}),
             "pd (text, untuned), compiling": lambda: ascendserve(
                 "pd", models["text"], logs, name="pd-untuned", tuned=False, env={"VLLM_CACHE_ROOT": compile_cache()}),
             "pd (text, untuned), its graph saved": lambda: ascendserve(

@@ -111,7 +111,10 @@ def reexec_with_preload(environ=os.environ) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **extra})
+    # the interpreter's own switches and -m/-c come back with orig_argv; a frozen program (the
+    # release bundle) is its own interpreter, and its arguments are argv
+    args = sys.argv[1:] if getattr(sys, "frozen", False) else sys.orig_argv[1:]
+    os.execve(sys.executable, [sys.executable, *args], {**os.environ, **extra})
 
 
 def _mapped_libraries() -> set[str]:
