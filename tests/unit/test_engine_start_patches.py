@@ -209,6 +209,7 @@ def test_why_a_worker_is_spawned_after_all(monkeypatch):
     monkeypatch.setattr(sys, "argv", [*sys.argv, "--numa-bind"])
     assert "numa-bind" in worker_fork._why_not(held)
     monkeypatch.setattr(sys, "argv", [a for a in sys.argv if a != "--numa-bind"])
+    assert "tensor parallelism" in worker_fork._why_not({**held, "LOCAL_WORLD_SIZE": "2"})
     assert "KMP_AFFINITY" in worker_fork._why_not({**held, "LD_PRELOAD": "/opt/intel/libiomp5.so"})
     assert worker_fork._why_not({**held, "LD_PRELOAD": "/nowhere/libtcmalloc.so.4"}) == (
         "LD_PRELOAD names libraries this process has not loaded: /nowhere/libtcmalloc.so.4")
@@ -245,7 +246,7 @@ _FORKED_WORKER = r"""
 import json, os, sys, threading, torch
 from ascendserve.engine.patches import worker_fork
 cores = sorted(os.sched_getaffinity(0))[:2]
-os.environ.update({worker_fork.ENV: "fork", "OMP_NUM_THREADS": str(len(cores)),
+os.environ.update({worker_fork.ENV: "fork", "ASCENDSERVE_ENGINE_CORE_START": "fork", "OMP_NUM_THREADS": str(len(cores)),
                    "GOMP_CPU_AFFINITY": " ".join(map(str, cores))})
 if sys.argv[1] == "pool-used":
     torch.set_num_threads(2)
