@@ -46,13 +46,13 @@ ENV = "ASCENDSERVE_ENGINE_CORE_START"
 METHODS = ("fork", "spawn")
 
 
-def start_method(environ=os.environ) -> str | None:
-    """The start method asked for; None when unset. Anything else is an error naming the variable."""
-    raw = environ.get(ENV, "").strip().lower()
+def start_method(environ=os.environ, variable: str = ENV) -> str | None:
+    """The start method `variable` asks for; None when unset. Anything else is an error naming it."""
+    raw = environ.get(variable, "").strip().lower()
     if not raw:
         return None
     if raw not in METHODS:
-        raise ValueError(f"{ENV}={raw!r}: expected one of {', '.join(METHODS)}")
+        raise ValueError(f"{variable}={raw!r}: expected one of {', '.join(METHODS)}")
     return raw
 
 
@@ -152,9 +152,13 @@ class _ForkContext(multiprocessing.context.ForkContext):
 FORK = _ForkContext()
 
 
-def apply(module=None, environ=os.environ, is_cpu: bool | None = None) -> list[str]:
-    """Start engine cores by fork when ASCENDSERVE_ENGINE_CORE_START=fork on a CPU platform. Idempotent."""
-    if start_method(environ) != "fork":
+def fork_where_asked(variable: str, environ, is_cpu: bool | None, module, load, caller: str, starts: str,
+                     forking_of, installed: str) -> list[str]:
+    """core_fork's and worker_fork's install: when `variable` asks for fork on a CPU platform,
+    replace module.get_mp_context (`load()` imports the module when none is given) by
+    forking_of(it), after checking that `caller` ("Class.method") of the module starts its
+    `starts` through it. Idempotent; returns [installed] when it installed the wrapper."""
+    if start_method(environ, variable) != "fork":
         return []
     if is_cpu is None:
         from vllm.platforms import current_platform
@@ -162,13 +166,25 @@ def apply(module=None, environ=os.environ, is_cpu: bool | None = None) -> list[s
         is_cpu = current_platform.is_cpu()
     if not is_cpu:
         return []  # an accelerator's runtime must not be forked: vLLM decides there
-    if module is None:
-        from vllm.v1.engine import utils as module
+    module = module if module is not None else load()
     current = getattr(module, "get_mp_context", None)
-    manager = getattr(module, "CoreEngineProcManager", None)
-    if current is None or manager is None or "get_mp_context" not in manager.__init__.__code__.co_names:
-        raise TypeError(f"{module.__name__} does not start its engine cores through get_mp_context")
+    owner, method = caller.split(".")
+    code = getattr(getattr(getattr(module, owner, None), method, None), "__code__", None)
+    if current is None or code is None or "get_mp_context" not in code.co_names:
+        raise TypeError(f"{module.__name__} does not start its {starts} through get_mp_context")
     if getattr(current, PATCHED, False):
         return []
-    module.get_mp_context = forking(current)
-    return ["CoreEngineProcManager forks engine cores"]
+    module.get_mp_context = forking_of(current)
+    return [installed]
+
+
+def apply(module=None, environ=os.environ, is_cpu: bool | None = None) -> list[str]:
+    """Start engine cores by fork when ASCENDSERVE_ENGINE_CORE_START=fork on a CPU platform. Idempotent."""
+
+    def load():
+        from vllm.v1.engine import utils
+
+        return utils
+
+    return fork_where_asked(ENV, environ, is_cpu, module, load, "CoreEngineProcManager.__init__", "engine cores",
+                            forking, "CoreEngineProcManager forks engine cores")

@@ -57,12 +57,9 @@ _why_spawned: set[str] = set()
 
 def start_method(environ=os.environ) -> str | None:
     """The start method asked for; None when unset. Anything else is an error naming the variable."""
-    raw = environ.get(ENV, "").strip().lower()
-    if not raw:
-        return None
-    if raw not in METHODS:
-        raise ValueError(f"{ENV}={raw!r}: expected one of {', '.join(METHODS)}")
-    return raw
+    from ascendserve.engine.patches.core_fork import start_method as asked
+
+    return asked(environ, ENV)
 
 
 # -- 2. the libraries vLLM preloads into its workers ------------------------------------------
@@ -274,21 +271,12 @@ def forking(get_mp_context):
 
 def apply(module=None, environ=os.environ, is_cpu: bool | None = None) -> list[str]:
     """Fork vLLM's workers when ASCENDSERVE_WORKER_START=fork on a CPU platform. Idempotent."""
-    if start_method(environ) != "fork":
-        return []
-    if is_cpu is None:
-        from vllm.platforms import current_platform
+    from ascendserve.engine.patches.core_fork import fork_where_asked
 
-        is_cpu = current_platform.is_cpu()
-    if not is_cpu:
-        return []  # an accelerator's runtime must not be forked: vLLM decides there
-    if module is None:
-        from vllm.v1.executor import multiproc_executor as module
-    current = getattr(module, "get_mp_context", None)
-    proc = getattr(getattr(module, "WorkerProc", None), "make_worker_process", None)
-    if current is None or proc is None or "get_mp_context" not in proc.__code__.co_names:
-        raise TypeError(f"{module.__name__} does not start its workers through get_mp_context")
-    if getattr(current, PATCHED, False):
-        return []
-    module.get_mp_context = forking(current)
-    return ["MultiprocExecutor forks workers"]
+    def load():
+        from vllm.v1.executor import multiproc_executor
+
+        return multiproc_executor
+
+    return fork_where_asked(ENV, environ, is_cpu, module, load, "WorkerProc.make_worker_process", "workers",
+                            forking, "MultiprocExecutor forks workers")
