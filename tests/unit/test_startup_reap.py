@@ -17,22 +17,27 @@ import time
 import psutil
 
 SCRIPT = textwrap.dedent("""
-    import subprocess, sys, time
+    import os, subprocess, sys, time
     from ascendserve.engine.startup_stop import _StartupStop, _become_subreaper
 
     child = subprocess.Popen([sys.executable, "-c", '''
     import signal, subprocess, sys, time
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(sys.argv[1] + ".ready", "w").close()
     time.sleep(0.4)
     late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     open(sys.argv[1], "w").write(str(late.pid))
     time.sleep(120)
     ''', sys.argv[1]])
-    time.sleep(0.1)
+    # the stop begins once the child runs (its interpreter's start took over 0.6 s under the
+    # suite's load, and the stop killed it before its 0.4 s were up: no grandchild at all)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sys.argv[1] + ".ready") and time.monotonic() < deadline:
+        time.sleep(0.01)
     if sys.argv[2] == "subreaper":
         _become_subreaper()  # as the signal handler does
-    print(_StartupStop.reap(1.0), flush=True)
+    print(_StartupStop.reap(2.0), flush=True)  # the grandchild appears 0.4 s into the grace
 """)
 
 
