@@ -33,6 +33,13 @@ ENGINE_ENV = {
     # the suite runs several engines on 2 cores: their idle readers nap instead of spinning
     # (engine/patches/idle_poll.py); untuned engines leave it to engine.host_defaults
     "ASCENDSERVE_SHM_NAP_MS": "0.5",
+    # one OpenMP thread per worker, bound by nobody: vLLM's "auto" binding would pin every
+    # engine's worker thread to core 0 here (1 core in the NUMA node list, the other reserved)
+    # and give a prefill or decode worker both cores (its reserve for the KV connector leaves
+    # none), OMP_NUM_THREADS notwithstanding; with several engines on two cores, core 0 was
+    # shared by all of them while core 1 idled, and P/D latencies were bimodal. A test that
+    # needs a binding sets its own; untuned engines keep vLLM's auto (UNTUNED_ENV)
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "HF_HUB_OFFLINE": "1",
@@ -273,7 +280,7 @@ def unlink_segments(names) -> None:
 
 # What a user who passes no tuning flag gets: no engine arguments, and no KV size in the
 # environment (OMP_NUM_THREADS=1 stays: with 2 threads on 2 cores latency is bimodal).
-UNTUNED_ENV = {"VLLM_CPU_KVCACHE_SPACE": None, "ASCENDSERVE_SHM_NAP_MS": None}
+UNTUNED_ENV = {"VLLM_CPU_KVCACHE_SPACE": None, "ASCENDSERVE_SHM_NAP_MS": None, "VLLM_CPU_OMP_THREADS_BIND": None}
 
 
 def ascendserve(role: str, model: Path, log_dir: Path, *extra: str, name: str | None = None, env: dict | None = None,

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def pd(text_model, tmp_path_factory):
-    proc = ascendserve("pd", text_model, tmp_path_factory.mktemp("pd-logs"), "--log-format", "json")
+    # vLLM's own binding (the suite's engines run unbound, tests/procs.ENGINE_ENV): the forked
+    # worker must bind as a spawned one does
+    proc = ascendserve("pd", text_model, tmp_path_factory.mktemp("pd-logs"), "--log-format", "json",
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "auto"})
     proc.start().wait_ready()
     yield proc
     proc.stop()
