@@ -45,7 +45,6 @@ from pathlib import Path
 
 PATCHED = "_ascendserve_fix"
 ENV = "ASCENDSERVE_WORKER_START"
-METHODS = ("fork", "spawn")
 # The API server's OpenMP thread count before hold_threads(): a forked worker without a count of
 # its own from vLLM (VLLM_CPU_OMP_THREADS_BIND=nobind) gets it back.
 THREADS_ENV = "ASCENDSERVE_OMP_THREADS"
