@@ -36,9 +36,10 @@ ENGINE_ENV = {
     # one OpenMP thread per worker, bound by nobody: vLLM's "auto" binding would pin every
     # engine's worker thread to core 0 here (1 core in the NUMA node list, the other reserved)
     # and give a prefill or decode worker both cores (its reserve for the KV connector leaves
-    # none), OMP_NUM_THREADS notwithstanding; with several engines on two cores, core 0 was
-    # shared by all of them while core 1 idled, and P/D latencies were bimodal. A test that
-    # needs a binding sets its own; untuned engines keep vLLM's auto (UNTUNED_ENV)
+    # none), OMP_NUM_THREADS notwithstanding; with several engines on two cores, every worker's
+    # master thread shared core 0 (core 1 ran only API servers, engine cores and P/D's second
+    # threads). A test that needs a binding sets its own; untuned engines keep vLLM's auto
+    # (UNTUNED_ENV)
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -279,7 +280,8 @@ def unlink_segments(names) -> None:
 
 
 # What a user who passes no tuning flag gets: no engine arguments, and no KV size in the
-# environment (OMP_NUM_THREADS=1 stays: with 2 threads on 2 cores latency is bimodal).
+# environment, and vLLM's own thread binding (which sets a worker's thread count itself;
+# OMP_NUM_THREADS=1 stays for the other processes).
 UNTUNED_ENV = {"VLLM_CPU_KVCACHE_SPACE": None, "ASCENDSERVE_SHM_NAP_MS": None, "VLLM_CPU_OMP_THREADS_BIND": None}
 
 

@@ -30,8 +30,9 @@ SCRIPT = textwrap.dedent("""
     open(sys.argv[1], "w").write(str(late.pid))
     time.sleep(120)
     ''', sys.argv[1]])
-    # the stop begins once the child runs (its interpreter's start took over 0.6 s under the
-    # suite's load, and the stop killed it before its 0.4 s were up: no grandchild at all)
+    # the stop begins once the child runs: under the suite's load its interpreter can take
+    # longer to start than the grace, and a child killed before its 0.4 s were up has no
+    # grandchild at all (the likely cause of one --quick failure; its message was not kept)
     deadline = time.monotonic() + 30
     while not os.path.exists(sys.argv[1] + ".ready") and time.monotonic() < deadline:
         time.sleep(0.01)
