@@ -141,8 +141,9 @@ NO_ENGINE_MODULES = {
 # Long runs without an engine, left to the full suite so --quick stays under 3 minutes: the
 # atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick), the
 # 1,500-stream load acceptance, the vLLM patch checks that spawn torch.distributed ranks
-# importing vLLM (7-10 s each on 2 cores), and `ascendserve doctor` (each run imports the
-# engine stack to probe devices: ~6 s a test). Node id prefixes; marked `slow`.
+# importing vLLM (7-10 s each on 2 cores) or fork two gloo ranks twice (~10 s), and
+# `ascendserve doctor` (each run imports the engine stack to probe devices: ~6 s a test).
+# Node id prefixes; marked `slow`.
 SLOW_TESTS = (
     "tests/fuzz/test_decoders.py::test_fuzz_run_finds_nothing",
     "tests/integration/test_load.py::test_1500_concurrent_streams_through_one_proxy_worker",
@@ -150,6 +151,7 @@ SLOW_TESTS = (
     "tests/unit/test_vllm_patches.py::test_expert_parallel_ranks_sum_to_the_dense_moe",
     "tests/unit/test_vllm_patches.py::test_without_the_fix_expert_parallel_does_not_match",
     "tests/integration/test_doctor.py::",
+    "tests/unit/test_gloo_device.py::test_two_ranks_share_one_device_per_process",
 )
 ENGINE_FIXTURES = {"text_oracle", "vl_oracle", "untuned_text_oracle"}
 ENGINE_HELPERS = {"ascendserve", "plain_vllm", "pd_cluster"}  # tests/procs.py names that start vLLM

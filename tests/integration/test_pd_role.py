@@ -111,6 +111,19 @@ def test_engine_core_and_worker_are_forked_and_bound(pd):
     assert "workers spawned, not forked" not in pd.log_text()
 
 
+def test_the_worker_runs_one_gloo_loop_not_one_per_group(pd):
+    """engine/patches/gloo_device.py: vLLM makes 13 gloo groups in a worker; they share one
+    gloo device, so one `gloo_tcp_loop` thread wakes 100 times a second instead of 13."""
+    workers = [p for p in pd.descendants() if "Worker" in p.name() + " ".join(p.cmdline())]
+    assert len(workers) == 1
+    names = []
+    for tid in os.listdir(f"/proc/{workers[0].pid}/task"):
+        with open(f"/proc/{workers[0].pid}/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    assert names.count("gloo_tcp_loop") == 1, sorted(names)
+    assert "one gloo device per process" in pd.log_text()  # among the fixes the role logged
+
+
 def test_bad_request_is_a_4xx_with_openai_error(client, text_model):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=str(text_model), prompt="x", max_tokens=-3)
