@@ -370,6 +370,9 @@ def _controller(config) -> bool:
 
 def pytest_configure(config):
     global _watchdog
+    from tests import shared_tls
+
+    shared_tls.install()  # httpx.get/post in any test: one TLS context per process, not 55 ms of CPU each call
     if _controller(config):
         from tests.shared_engines import begin_session
 

@@ -17,8 +17,10 @@ import httpx
 import psutil
 
 from ascendserve.launch.children import kill_group
-from tests import memory
+from tests import memory, shared_tls
 from tests.ports import free_port, free_port_run  # noqa: F401 (per-worker ports; re-exported for the tests)
+
+shared_tls.install()  # every httpx.get/post here and in the tests: one TLS context, not one per call
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]
