@@ -370,6 +370,22 @@ def kv_usage(proc: Proc) -> float:
     return float(_KV_USAGE.search(httpx.get(proc.url + "/metrics", timeout=10).text).group(1))
 
 
+def signal_group(proc: Proc, sig) -> None:
+    """Send sig to every process of an instance (SIGSTOP freezes it mid-transfer)."""
+    os.killpg(proc.popen.pid, sig)
+
+
+def crash(proc: Proc) -> None:
+    """SIGKILL every process of an instance at once (multiprocessing's resource tracker
+    excepted: it then unlinks the shared memory the dead left, as after a real crash),
+    and check that none of the instance's segments is left behind."""
+    segments = proc.shared_memory()
+    assert segments, "an engine instance maps vLLM's shared-memory queues"
+    kill_group(proc.popen.pid, grace_s=0.0, tracker_grace_s=10.0)
+    wait_for(lambda: not segments & set(os.listdir("/dev/shm")), 15,
+             f"shared memory left by a crashed instance: {sorted(segments & set(os.listdir('/dev/shm')))}")
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -7,8 +7,7 @@
 - P SIGKILLed while D is pulling: D reports the failed load to vLLM, which
   recomputes the prompt locally (policy "recompute"); the answer still
   equals plain vLLM's and D's blocks go back to the pool.
-- Push mode, P SIGKILLed once dispatched: D learns it from the metaserver
-  and recomputes at once instead of waiting for its deadline.
+(Push mode, P SIGKILLed once dispatched, is the last test on test_kv_push's tcp cluster.)
 To pin a transfer "in flight" deterministically, P's process group is
 SIGSTOPped after it answered: D's pull connects and waits on the frozen P.
 A crash SIGKILLs every process of the instance but multiprocessing's resource
@@ -19,7 +18,6 @@ nothing of ours or vLLM's is left in /dev/shm.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import threading
@@ -28,8 +26,7 @@ import time
 import httpx
 import pytest
 
-from ascendserve.launch.children import kill_group
-from tests.procs import completion_ids, control, kv_usage, pd_cluster, start_all, wait_for
+from tests.procs import completion_ids, crash, kv_usage, pd_cluster, signal_group, wait_for
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-failure-token"
@@ -51,21 +48,6 @@ def restart(proc) -> None:
     proc.stop(timeout=5)
     proc.start()
     proc.wait_ready()
-
-
-def signal_group(proc, sig) -> None:
-    os.killpg(proc.popen.pid, sig)
-
-
-def crash(proc) -> None:
-    """SIGKILL every process of an instance at once (multiprocessing's resource tracker
-    excepted: it then unlinks the shared memory the dead left, as after a real crash),
-    and check that none of the instance's segments is left behind."""
-    segments = proc.shared_memory()
-    assert segments, "an engine instance maps vLLM's shared-memory queues"
-    kill_group(proc.popen.pid, grace_s=0.0, tracker_grace_s=10.0)
-    wait_for(lambda: not segments & set(os.listdir("/dev/shm")), 15,
-             f"shared memory left by a crashed instance: {sorted(segments & set(os.listdir('/dev/shm')))}")
 
 
 def prefill_and_hold(c, prompt: str) -> dict:
@@ -174,44 +156,3 @@ def test_prefill_killed_mid_transfer_decode_recomputes(cluster):
 def served(url: str, model: str) -> bool:
     r = httpx.post(url + "/v1/completions", timeout=60, json={"model": model, "prompt": "ping", "max_tokens": 1})
     return r.status_code == 200
-
-
-@pytest.fixture(scope="module")
-def push_pair(text_model, text_oracle, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("kv-push-failure-logs")
-    meta = control("metaserver", logs, "--cluster-token", TOKEN)
-    start_all(meta)
-    common = ("--kv-connector", "push", "--cluster-token", TOKEN, "--log-format", "json", "--kv-ttl", "60")
-    try:
-        with pd_cluster(text_model, logs, common, common, ("--mode", "push", "--metaserver-url", meta.url,
-                                                          "--cluster-token", TOKEN)) as (prefill, decode, proxy):
-            yield {"oracle": text_oracle, "prefill": prefill, "decode": decode, "proxy": proxy,
-                   "model": str(text_model)}
-    finally:
-        meta.stop()
-
-
-def test_push_prefill_killed_decode_recomputes_long_before_its_deadline(push_pair):
-    """P dies after the metaserver dispatched it: the metaserver answers D's ask with an
-    error, D fails the load at once (not at its 60 s deadline) and recomputes."""
-    c = push_pair
-    prompt = "The prefill dies before it pushes a single layer of this prompt. " * 6
-    expected = completion_ids(c["oracle"].url, c["model"], prompt, MAX_TOKENS)
-    signal_group(c["prefill"], signal.SIGSTOP)
-    started = time.monotonic()
-    out: dict = {}
-
-    def run():
-        out["ids"] = completion_ids(c["proxy"].url, c["model"], prompt, MAX_TOKENS, timeout=120)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    wait_for(lambda: kv_usage(c["decode"]) > 0.0, 60, "decode never reserved blocks for the push")
-    time.sleep(1.0)  # D asked the metaserver; the metaserver's dispatch waits on the frozen P
-    crash(c["prefill"])
-    t.join(90)
-    assert not t.is_alive(), "the request hung after its prefill died"
-    assert out.get("ids") == expected  # recomputed on D
-    assert time.monotonic() - started < 45
-    assert "metaserver could not get the prompt prefilled" in c["decode"].log_text()
-    wait_for(lambda: kv_usage(c["decode"]) == 0.0, 30, "decode kept blocks after the failed push")

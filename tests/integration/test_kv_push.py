@@ -5,18 +5,23 @@ the metaserver, which dispatches P once; P pushes every layer's pages as the
 layer is computed. Greedy ids must equal plain vLLM's, from a 1-token prompt
 to thousands of tokens (chunked prefill: several pushes per request), with
 32 requests at once and with several prompts in one completion; every block
-goes back to the pool afterwards.
+goes back to the pool afterwards. Last, on the tcp cluster, P is SIGKILLed once
+dispatched: D learns it from the metaserver and recomputes long before its deadline.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import signal
+import threading
+import time
 
 import httpx
 import pytest
 
-from tests.procs import completion_ids, concurrent_ids, control, kv_usage, pd_cluster, start_all, wait_for
+from tests.procs import (completion_ids, concurrent_ids, control, crash, kv_usage, pd_cluster, signal_group, start_all,
+                         wait_for)
 from tests.traffic import check_mixed, check_repeats, check_shared_prefixes, text
 
 pytestmark = pytest.mark.integration
@@ -122,3 +127,32 @@ def test_blocks_return_to_idle_and_nothing_failed(push_cluster):
              "KV blocks still allocated after the requests finished")
     assert not events(c["prefill"], "KV push failed; decode will recompute or fail the request by policy")
     assert not events(c["decode"], "pushed KV incomplete")
+
+
+# Last on the tcp cluster: it kills that cluster's P (moved from test_kv_failures, whose P+D pair
+# and metaserver were started for this one test).
+@pytest.mark.parametrize("push_cluster", ["tcp"], indirect=True)
+def test_push_prefill_killed_decode_recomputes_long_before_its_deadline(push_cluster):
+    """P dies after the metaserver dispatched it: the metaserver answers D's ask with an
+    error, D fails the load at once (not at its deadline, the default 120 s) and recomputes."""
+    c = push_cluster
+    prompt = "The prefill dies before it pushes a single layer of this prompt. " * 6
+    expected = completion_ids(c["oracle"].url, c["model"], prompt, MAX_TOKENS)
+    signal_group(c["prefill"], signal.SIGSTOP)
+    started = time.monotonic()
+    out: dict = {}
+
+    def run():
+        out["ids"] = completion_ids(c["proxy"].url, c["model"], prompt, MAX_TOKENS, timeout=120)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_for(lambda: kv_usage(c["decode"]) > 0.0, 60, "decode never reserved blocks for the push")
+    time.sleep(1.0)  # D asked the metaserver; the metaserver's dispatch waits on the frozen P
+    crash(c["prefill"])
+    t.join(90)
+    assert not t.is_alive(), "the request hung after its prefill died"
+    assert out.get("ids") == expected  # recomputed on D
+    assert time.monotonic() - started < 45
+    assert "metaserver could not get the prompt prefilled" in c["decode"].log_text()
+    wait_for(lambda: kv_usage(c["decode"]) == 0.0, 30, "decode kept blocks after the failed push")
