@@ -265,16 +265,23 @@ def _joins(port: int) -> bool:
 def test_every_post_route_refuses_an_oversized_body(plane, role):
     base = plane[role].url
     big = b'{"x": "' + b"a" * int(MAX_BODY_MB * 1024 * 1024 + 1024) + b'"}'
+    def post(http, path, kind, **kw):
+        # this test failed twice under load with no message: say which request and how
+        try:
+            return http.post(base + path, **kw)
+        except httpx.TransportError as exc:
+            pytest.fail(f"{role} POST {path} ({kind} body): {exc!r}")
+
     with client() as http:
         for method, path in sorted(route_table(role)):
             if method != "POST":
                 continue
             credential = bearer(API_KEY) if (method, path) in CLIENT.get(role, set()) else bearer(TOKEN)
-            r = http.post(base + path, content=big, headers={"content-type": "application/json", **credential})
+            r = post(http, path, "declared", content=big, headers={"content-type": "application/json", **credential})
             assert r.status_code == 413, (path, r.status_code, r.text[:200])
             assert r.json()["error"]["message"] == "request body too large"
             # no Content-Length (chunked): counted as the handler reads it; these routes never read theirs
-            r = http.post(base + path, content=iter([big[:40000], big[40000:]]), headers=credential)
+            r = post(http, path, "chunked", content=iter([big[:40000], big[40000:]]), headers=credential)
             assert r.status_code == (200 if path in BODY_IGNORED else 413), (path, "chunked", r.status_code)
 
 
