@@ -109,6 +109,33 @@ def test_other_process_reads_and_last_close_unlinks(name):
     r.close()  # the survivor is the last holder: the name goes
 
 
+def test_a_forked_child_does_not_keep_its_parents_hold(name):
+    """An instance's engine core and workers are forks of the process that holds the region:
+    a child that outlives its parent's close must not keep the parent's shared flock, or the
+    real last holder does not unlink (the chaos test's leak)."""
+    first = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)  # another instance's hold
+    second = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)  # this instance's, then a fork
+    second.write("x", item(3, BLOCK + 1), "uint8", (BLOCK + 1,))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the lingering child: holds whatever it inherited until killed
+        os.close(r)
+        os.write(w, b"1" if second.closed else b"0")
+        time.sleep(60)
+        os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"1", "the child kept the parent's region open"
+        assert second.pin("x", 5) is not None  # the parent's region is untouched
+        second.close()
+        first.close()  # the last holder, while the child still lives: the name goes
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+
+
 def test_stale_region_of_a_dead_holder_starts_empty(name):
     ctx = mp.get_context("spawn")
     ready = ctx.Event()

@@ -20,7 +20,9 @@ the kernel if its holder dies) plus a thread lock (record locks are per
 process). Every process that maps the region also holds a shared flock on
 it; the last one to close gets the exclusive flock and unlinks the name, so
 a cluster that stops leaves nothing in /dev/shm, and a stale region left by
-a crash is reinitialised by the next process that finds itself alone.
+a crash is reinitialised by the next process that finds itself alone. A
+forked child lets go of the regions it inherited (they would hold the
+parent's flock as long as the child lives).
 
 No torch here: it is used by vLLM workers, schedulers and tests alike.
 """
@@ -61,6 +63,25 @@ def _close_all() -> None:
             region.close()
         except Exception:
             pass
+
+
+def _disown_inherited() -> None:
+    """In a forked child: let go of the parent's regions without touching them.
+
+    The child's copy of a region's descriptor shares the parent's open file, and with it the
+    parent's shared flock, for as long as the child lives. An instance's engine core and workers
+    are forked from its main process (engine/patches/core_fork.py, worker_fork.py) after the
+    main process took the host's region, and vLLM SIGKILLs them at shutdown: while one of them
+    lingered, the real last holder found the lock still shared, did not unlink, and the region
+    stayed in /dev/shm (the likely cause of the chaos test's leak, twice in CI). Nor may a child's exit close the parent's
+    region for it (its atexit would try to unlink the name the parent still uses). The child
+    closes its copies only: no lock is taken (one held by another thread at the fork would stay
+    held here), nothing in the region is written. A region the child needs, it opens itself."""
+    for region in list(_open_regions):
+        region._disown()
+
+
+os.register_at_fork(after_in_child=_disown_inherited)
 
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64")
@@ -204,6 +225,21 @@ class Region:
         except BufferError:  # a caller still holds a view; the kernel drops it at exit
             pass
         os.close(self._fd)
+
+    def _disown(self) -> None:
+        """Drop this process's mapping and descriptor without the lock or an unlink (after a fork)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._header = self._entries = self._next = self._data = None
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view; the kernel drops it at exit
+            pass
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
 
     def __del__(self):
         try:
