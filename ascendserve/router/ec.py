@@ -24,7 +24,7 @@ class ECLookup:
     def __init__(self, kind: str, client: AsyncClient | None = None, path: str = "", algorithm: str = "blake3",
                  shm: tuple[str, int, int] | None = None):
         self.kind, self.client, self.path, self.algorithm = kind, client, path, algorithm
-        self.shm, self._region = shm, None
+        self.shm = shm
 
     @classmethod
     def from_config(cls, ec: ECConfig, algorithm: str) -> "ECLookup | None":
@@ -37,9 +37,7 @@ class ECLookup:
         return None
 
     def close(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        """Nothing is held: the shm lookup reads the region as an observer (region.ready_keys)."""
 
     def hashes(self, parts: list[dict], model_id: str) -> list[str] | None:
         """Every part's mm_hash, or None if any cannot be known here."""
@@ -60,15 +58,13 @@ class ECLookup:
         return await asyncio.get_running_loop().run_in_executor(None, self._on_disk, hashes)
 
     def _in_region(self, hashes: list[str]) -> set[str]:
-        from ascendserve.connectors.ec.region import Region, RegionError
+        from ascendserve.connectors.ec.region import ready_keys
 
-        if self._region is None:
-            name, size, block = self.shm
-            try:
-                self._region = Region(name, size_bytes=size, block_size=block)
-            except (RegionError, OSError) as exc:
-                raise StoreError(f"EC region {name}: {exc}") from None
-        return {h for h in hashes if self._region.contains(h)}
+        name = self.shm[0]
+        try:
+            return ready_keys(name, hashes)
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"EC region {name}: {exc}") from None
 
     def _on_disk(self, hashes: list[str]) -> set[str]:
         if not os.path.isdir(self.path):

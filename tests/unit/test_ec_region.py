@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from ascendserve.connectors.ec.region import Region, RegionError, snapshot
+from ascendserve.connectors.ec.region import Region, RegionError, ready_keys, snapshot
 
 BLOCK = 4096
 
@@ -134,6 +134,18 @@ def test_a_forked_child_does_not_keep_its_parents_hold(name):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
+
+
+def test_an_observer_reads_ready_keys_without_becoming_a_holder(name):
+    """The proxy's presence check: it sees what is READY and never keeps the region alive."""
+    assert ready_keys(name, ["x"]) == set()  # no region: nothing, and none is created
+    assert not os.path.exists(f"/dev/shm/{name}")
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    r.write("x", item(5, BLOCK), "uint8", (BLOCK,))
+    r.write("y", item(6, 10), "uint8", (10,))
+    assert ready_keys(name, ["x", "y", "z"]) == {"x", "y"}
+    r.close()  # the only holder: the name goes although an observer read it
+    assert not os.path.exists(f"/dev/shm/{name}")
 
 
 def test_stale_region_of_a_dead_holder_starts_empty(name):

@@ -415,6 +415,36 @@ class Region:
                     "evictions": int(h["evictions"])}
 
 
+def ready_keys(name: str, keys: list[str]) -> set[str]:
+    """Which of `keys` a region holds READY, read from outside like snapshot(): without the
+    flock, so the reader never becomes a holder, and without the mutex, so the answer is a
+    hint that can be a moment old (an entry being written reads as absent). For an observer
+    such as the proxy: one that held the region kept it in /dev/shm after every engine had
+    closed it, whenever the observer stopped last and did not close (the chaos test, CI)."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except FileNotFoundError:
+        return set()
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
+            return set()
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            header = np.frombuffer(mm, _HEADER, 1, 0).copy()[0]
+            if int(header["magic"]) != MAGIC:
+                return set()
+            entries_at, _, _, total = _sizes(int(header["block_size"]), int(header["num_blocks"]),
+                                             int(header["max_entries"]))
+            if total > size:
+                return set()
+            e = np.frombuffer(mm, _ENTRY, int(header["max_entries"]), entries_at)
+            ready = set(e["key"][e["state"] == READY].tolist())  # copies: no view outlives the mapping
+            del e
+    finally:
+        os.close(fd)
+    return {k for k in keys if k.encode() in ready}
+
+
 def snapshot(name: str) -> dict[str, int] | None:
     """Counts of a region's entries read from outside, for monitoring and tests; None when it does not exist.
 
