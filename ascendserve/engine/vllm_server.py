@@ -336,16 +336,17 @@ class SeedThread:
             self.seed.stop()
 
 
-def _wait_for_children(timeout_s: float) -> None:
+def _wait_for_children(timeout_s: float) -> list[str]:
     import time
 
     import psutil
 
     deadline = time.monotonic() + timeout_s
     me = psutil.Process()
-    while time.monotonic() < deadline:
-        if not [p for p in me.children(recursive=True) if still_running(p)]:
-            return
+    while True:
+        running = [p for p in me.children(recursive=True) if still_running(p)]
+        if not running or time.monotonic() >= deadline:
+            return [str(p.pid) for p in running if still_running(p)]
         time.sleep(0.1)
 
 
@@ -373,8 +374,12 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
         # vLLM's workers (children of its engine process) outlive the API server's
         # shutdown by a moment and still hold the region: wait for them to go so
         # that this close can be the last one and remove the name
-        _wait_for_children(wait_s)
-        held.close()
+        left = _wait_for_children(wait_s)
+        unlinked = held.close()
+        # says why a region outlives its cluster (the chaos test's leftover, not yet explained):
+        # another holder was still open when this instance closed, or its own children were
+        get_logger("ascendserve.engine").info("EC region closed", region=held.name, removed=unlinked,
+                                              children_left=left)
     prefix = f"asf-ec-recv-{os.getpid()}"
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

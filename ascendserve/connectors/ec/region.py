@@ -202,11 +202,12 @@ class Region:
         fcntl.flock(self._fd, fcntl.LOCK_SH)
         return alone
 
-    def close(self) -> None:
-        """Unmap; the last process to close unlinks the name."""
+    def close(self) -> bool:
+        """Unmap; the last process to close unlinks the name. Whether this close unlinked it."""
         if self.closed:
-            return
+            return False
         self.closed = True
+        unlinked = False
         with self._locked():
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -217,6 +218,7 @@ class Region:
                 try:
                     if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
                         os.unlink(self.path)
+                        unlinked = True
                 except FileNotFoundError:
                     pass
         self._header = self._entries = self._next = self._data = None
@@ -225,6 +227,7 @@ class Region:
         except BufferError:  # a caller still holds a view; the kernel drops it at exit
             pass
         os.close(self._fd)
+        return unlinked
 
     def _disown(self) -> None:
         """Drop this process's mapping and descriptor without the lock or an unlink (after a fork)."""
