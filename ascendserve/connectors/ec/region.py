@@ -73,7 +73,7 @@ def _disown_inherited() -> None:
     are forked from its main process (engine/patches/core_fork.py, worker_fork.py) after the
     main process took the host's region, and vLLM SIGKILLs them at shutdown: while one of them
     lingered, the real last holder found the lock still shared, did not unlink, and the region
-    stayed in /dev/shm (the likely cause of the chaos test's leak, twice in CI). Nor may a child's exit close the parent's
+    stayed in /dev/shm. Nor may a child's exit close the parent's
     region for it (its atexit would try to unlink the name the parent still uses). The child
     closes its copies only: no lock is taken (one held by another thread at the fork would stay
     held here), nothing in the region is written. A region the child needs, it opens itself."""
@@ -422,8 +422,8 @@ def ready_keys(name: str, keys: list[str]) -> set[str]:
     """Which of `keys` a region holds READY, read from outside like snapshot(): without the
     flock, so the reader never becomes a holder, and without the mutex, so the answer is a
     hint that can be a moment old (an entry being written reads as absent). For an observer
-    such as the proxy: one that held the region kept it in /dev/shm after every engine had
-    closed it, whenever the observer stopped last and did not close (the chaos test, CI)."""
+    such as the proxy, which must not keep the region alive: one that held it and outlived
+    the engines, or died without closing it, left it in /dev/shm."""
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
