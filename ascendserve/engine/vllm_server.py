@@ -346,7 +346,7 @@ def _wait_for_children(timeout_s: float) -> list[str]:
     while True:
         running = [p for p in me.children(recursive=True) if still_running(p)]
         if not running or time.monotonic() >= deadline:
-            return [str(p.pid) for p in running if still_running(p)]
+            return [str(p.pid) for p in running]
         time.sleep(0.1)
 
 
