@@ -152,6 +152,8 @@ SLOW_TESTS = (
     "tests/unit/test_vllm_patches.py::test_without_the_fix_expert_parallel_does_not_match",
     "tests/integration/test_doctor.py::",
     "tests/unit/test_gloo_device.py::test_two_ranks_share_one_device_per_process",
+    # Inductor compiles a C++ kernel: 10-30 s
+    "tests/unit/test_compile_cache_patch.py::test_vllm_loads_a_function_stock_inductor_compiled_only_with_the_fix",
 )
 ENGINE_FIXTURES = {"text_oracle", "vl_oracle", "untuned_text_oracle"}
 ENGINE_HELPERS = {"ascendserve", "plain_vllm", "pd_cluster"}  # tests/procs.py names that start vLLM

@@ -20,20 +20,37 @@ from pathlib import Path
 import pytest
 
 from ascendserve.launch.children import kill_group
-from tests.procs import ENGINE_ENV, UNTUNED_ENV, all_role_port, ascendserve, start_all
+from tests.conftest import model_cache
+from tests.shared_engines import _flock
+from tests.procs import ENGINE_ENV, UNTUNED_ENV, all_role_port, ascendserve, completion_ids, start_all
 from tests.traffic import BF16_TIE_NATS, check_user_traffic
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def user_model(text_model, tmp_path_factory) -> Path:
+def user_model(text_model) -> Path:
     """A model of the user's own: a directory of theirs, not the demo the `all` role makes itself.
     It holds the suite's tiny text model, so that the session's untuned plain vLLM on that model
-    is its oracle (one engine start less than an oracle of its own)."""
-    out = tmp_path_factory.mktemp("user-model") / "my-model"
-    shutil.copytree(text_model, out)
+    is its oracle (one engine start less than an oracle of its own). It stays where it is between
+    sessions, as a user's model does: vLLM's compile cache is keyed by the model's path, so an
+    engine here loads what an earlier start compiled (a path of its own each session compiled
+    every engine of this module from scratch, ~1 CPU-minute each)."""
+    out = model_cache() / "user-models" / text_model.name / "my-model"
+    with _flock(out.parent / "copy.lock"):
+        if not (out / "config.json").exists():
+            part = out.with_name("my-model.part")
+            shutil.rmtree(part, ignore_errors=True)  # an interrupted copy
+            shutil.copytree(text_model, part)
+            part.rename(out)
     return out
+
+
+RECOMPILED = "Compiling model again"  # vLLM could not load its compile cache (engine/patches/compile_cache.py)
+
+
+def loaded_from_cache(text: str) -> bool:
+    return "Directly load AOT compilation" in text
 
 
 def check(url: str, oracle, user_model: Path, text_model: Path) -> int:
@@ -51,6 +68,17 @@ def test_pd_role_with_no_flags_serves_users(user_model, text_model, untuned_text
                     if '"starting vLLM"' in line)
         assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" in argv
         check(pd.url, untuned_text_oracle, user_model, text_model)
+        # restarted (a crash, an upgrade of the host), it loads the model it compiled, whether
+        # this start compiled it or found it in the cache; and it answers as before
+        first = pd.log_text()
+        assert RECOMPILED not in first, first[-4000:]
+        prompt = "A restarted engine answers"
+        before = completion_ids(pd.url, str(user_model), prompt)
+        pd.stop()
+        start_all(pd)
+        again = pd.log_text()[len(first):]
+        assert loaded_from_cache(again) and RECOMPILED not in again, again[-4000:]
+        assert completion_ids(pd.url, str(user_model), prompt) == before
     finally:
         pd.stop()
 
@@ -111,5 +139,6 @@ def test_all_1p1d_with_a_users_model_and_no_flags(user_model, text_model, untune
         received = _events(log, "KV received") if mode == "push" else _events(log, "KV pulled")
         assert len(received) >= sent, f"{len(received)} KV hand-offs for {sent} requests"
         assert not _events(log, "pushed KV never completed; failing the load")
+        assert RECOMPILED not in log.read_text(errors="replace")
     finally:
         _stop(proc)

