@@ -51,6 +51,26 @@ def _build(kind: str) -> Path:
     return out
 
 
+def host_copy(model: Path, name: str, ignore=None) -> Path:
+    """A copy of a tiny model at a path that stays the same between sessions on this host
+    (`<model cache>/copies/<model>/<name>`), made once. vLLM keys its compile cache by the
+    model's path among the rest: an untuned engine on a copy under a fresh tmp_path compiled
+    from scratch in every session (~1 CPU-minute), one here loads what an earlier start
+    compiled, as a user's engine on their own model directory does. `ignore`: as for
+    shutil.copytree (a weightless copy)."""
+    from tests.shared_engines import _flock
+
+    out = model_cache() / "copies" / model.name / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _flock(out.with_name(name + ".lock")):
+        if not (out / "config.json").exists():
+            part = out.with_name(name + ".part")
+            shutil.rmtree(part, ignore_errors=True)  # an interrupted copy
+            shutil.copytree(model, part, ignore=ignore)
+            part.rename(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def text_model() -> Path:
     return _build("text")

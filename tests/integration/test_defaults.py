@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -20,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from ascendserve.launch.children import kill_group
-from tests.conftest import model_cache
-from tests.shared_engines import _flock
+from tests.conftest import host_copy
 from tests.procs import ENGINE_ENV, UNTUNED_ENV, all_role_port, ascendserve, completion_ids, start_all
 from tests.traffic import BF16_TIE_NATS, check_user_traffic
 
@@ -36,14 +34,7 @@ def user_model(text_model) -> Path:
     sessions, as a user's model does: vLLM's compile cache is keyed by the model's path, so an
     engine here loads what an earlier start compiled (a path of its own each session compiled
     every engine of this module from scratch, ~1 CPU-minute each)."""
-    out = model_cache() / "user-models" / text_model.name / "my-model"
-    with _flock(out.parent / "copy.lock"):
-        if not (out / "config.json").exists():
-            part = out.with_name("my-model.part")
-            shutil.rmtree(part, ignore_errors=True)  # an interrupted copy
-            shutil.copytree(text_model, part)
-            part.rename(out)
-    return out
+    return host_copy(text_model, "my-model")
 
 
 RECOMPILED = "Compiling model again"  # vLLM could not load its compile cache (engine/patches/compile_cache.py)

@@ -27,7 +27,8 @@ import pytest
 
 from tests.integration.test_epd import (chat_ids, check_same_image_repeated, data_url, messages, png_bytes,
                                         shared_prefix_image_chats)
-from tests.procs import ENGINE_ARGS, PYTHON, Proc, ascendserve, completion_ids, control, free_port, start_all, wait_for
+from tests.conftest import host_copy
+from tests.procs import PYTHON, Proc, ascendserve, completion_ids, control, free_port, start_all, wait_for
 from tests.traffic import chat as timed_chat
 from tests.traffic import BF16_TIE_NATS, check_user_traffic
 
@@ -37,9 +38,12 @@ AUTH = ("--cluster-token", TOKEN)
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 
 
+WEIGHTS = shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json")
+
+
 def weightless_copy(model: Path, dest: Path) -> Path:
     """The model directory without its weights: only a seed can provide them."""
-    shutil.copytree(model, dest, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    shutil.copytree(model, dest, ignore=WEIGHTS)
     assert not list(dest.glob("*.safetensors"))
     return dest
 
@@ -211,9 +215,13 @@ def _active_decodes(proxy: Proc) -> set[str]:
 
 def test_untuned_joiner_serves_user_traffic(text_model, untuned_text_oracle, tmp_path):
     """A joiner started as a user starts one: no dtype, no eager, no memory setting (vLLM
-    compiles the weights it received); only the flags that make it a joiner."""
+    compiles the weights it received, or loads what an earlier start on this path compiled:
+    the weights are the compiled graph's inputs); only the flags that make it a joiner. Its
+    weightless model directory stays where it is between sessions, as a user's does."""
     seed = elastic_server(text_model, tmp_path).start()
-    joiner = ascendserve("pd", weightless_copy(text_model, tmp_path / "joiner"), tmp_path,
+    model = host_copy(text_model, "weightless-joiner", ignore=WEIGHTS)
+    assert not list(model.glob("*.safetensors"))
+    joiner = ascendserve("pd", model, tmp_path,
                          "--served-model-name", str(text_model), "--netloader-source", "SEED", *AUTH,
                          name="joiner-untuned", tuned=False)
     try:
