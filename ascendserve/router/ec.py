@@ -53,9 +53,9 @@ class ECLookup:
         """The hashes the store holds; StoreError when it cannot be asked."""
         if self.kind == "store":
             return await self.client.present(hashes)
-        if self.kind == "shm":
-            return self._in_region(hashes)
-        return await asyncio.get_running_loop().run_in_executor(None, self._on_disk, hashes)
+        # the region's entry table (up to ~1 MB) and the directory are read off the event loop
+        read = self._in_region if self.kind == "shm" else self._on_disk
+        return await asyncio.get_running_loop().run_in_executor(None, read, hashes)
 
     def _in_region(self, hashes: list[str]) -> set[str]:
         from ascendserve.connectors.ec.region import ready_keys

@@ -221,12 +221,7 @@ class Region:
                         unlinked = True
                 except FileNotFoundError:
                     pass
-        self._header = self._entries = self._next = self._data = None
-        try:
-            self._mm.close()
-        except BufferError:  # a caller still holds a view; the kernel drops it at exit
-            pass
-        os.close(self._fd)
+        self._unmap()
         return unlinked
 
     def _disown(self) -> None:
@@ -234,6 +229,9 @@ class Region:
         if self.closed:
             return
         self.closed = True
+        self._unmap()
+
+    def _unmap(self) -> None:
         self._header = self._entries = self._next = self._data = None
         try:
             self._mm.close()
@@ -418,43 +416,13 @@ class Region:
                     "evictions": int(h["evictions"])}
 
 
-def ready_keys(name: str, keys: list[str]) -> set[str]:
-    """Which of `keys` a region holds READY, read from outside like snapshot(): without the
-    flock, so the reader never becomes a holder, and without the mutex, so the answer is a
-    hint that can be a moment old (an entry being written reads as absent). For an observer
-    such as the proxy, which must not keep the region alive: one that held it and outlived
-    the engines, or died without closing it, left it in /dev/shm."""
-    try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
-    except FileNotFoundError:
-        return set()
-    try:
-        size = os.fstat(fd).st_size
-        if size < HEADER_BYTES:
-            return set()
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-            header = np.frombuffer(mm, _HEADER, 1, 0).copy()[0]
-            if int(header["magic"]) != MAGIC:
-                return set()
-            entries_at, _, _, total = _sizes(int(header["block_size"]), int(header["num_blocks"]),
-                                             int(header["max_entries"]))
-            if total > size:
-                return set()
-            e = np.frombuffer(mm, _ENTRY, int(header["max_entries"]), entries_at)
-            ready = set(e["key"][e["state"] == READY].tolist())  # copies: no view outlives the mapping
-            del e
-    finally:
-        os.close(fd)
-    return {k for k in keys if k.encode() in ready}
-
-
-def snapshot(name: str) -> dict[str, int] | None:
-    """Counts of a region's entries read from outside, for monitoring and tests; None when it does not exist.
-
-    `held` = entries a reader has pinned or a writer is writing, whose deadline has not
-    passed: what a dead peer could keep. Read-only, without the mutex or the flock (an
-    observer must never become a holder: the last holder's close removes the name), so
-    the counts can be a moment old."""
+def _observed_entries(name: str, *, strict: bool) -> np.ndarray | None:
+    """A copy of a region's entry table, read from outside: without the flock, so the reader
+    never becomes a holder (the last holder's close removes the name; an observer that held it
+    and outlived the engines, or died without closing it, left it in /dev/shm), and without the
+    mutex, so it can be a moment old (an entry being written reads as WRITING). None when the
+    region does not exist; an empty table while it is not yet initialised. A region smaller
+    than its header says raises RegionError when `strict`, else reads as empty."""
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
@@ -462,18 +430,44 @@ def snapshot(name: str) -> dict[str, int] | None:
     try:
         size = os.fstat(fd).st_size
         if size < HEADER_BYTES:
-            return {"entries": 0, "pinned": 0, "writing": 0, "held": 0}
+            return np.zeros(0, _ENTRY)
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
             header = np.frombuffer(mm, _HEADER, 1, 0).copy()[0]
             if int(header["magic"]) != MAGIC:
-                return {"entries": 0, "pinned": 0, "writing": 0, "held": 0}
+                return np.zeros(0, _ENTRY)
             entries_at, _, _, total = _sizes(int(header["block_size"]), int(header["num_blocks"]),
                                              int(header["max_entries"]))
             if total > size:
-                raise RegionError(f"region {name} is smaller than its header says")
-            e = np.frombuffer(mm, _ENTRY, int(header["max_entries"]), entries_at).copy()
+                if strict:
+                    raise RegionError(f"region {name} is smaller than its header says")
+                return np.zeros(0, _ENTRY)
+            view = np.frombuffer(mm, _ENTRY, int(header["max_entries"]), entries_at)
+            table = view.copy()  # no view may outlive the mapping
+            del view
+            return table
     finally:
         os.close(fd)
+
+
+def ready_keys(name: str, keys: list[str]) -> set[str]:
+    """Which of `keys` a region holds READY, read as an observer (_observed_entries): a hint
+    for the proxy, which must not keep the region alive."""
+    e = _observed_entries(name, strict=False)
+    if e is None or not len(e):
+        return set()
+    ready = set(e["key"][e["state"] == READY].tolist())
+    return {k for k in keys if k.encode() in ready}
+
+
+def snapshot(name: str) -> dict[str, int] | None:
+    """Counts of a region's entries read from outside, for monitoring and tests; None when it does not exist.
+
+    `held` = entries a reader has pinned or a writer is writing, whose deadline has not
+    passed: what a dead peer could keep. Read as an observer (_observed_entries), so the
+    counts can be a moment old."""
+    e = _observed_entries(name, strict=True)
+    if e is None:
+        return None
     now = time.monotonic()
     pinned = int(np.count_nonzero((e["state"] == READY) & (e["pins"] > 0) & (e["pin_deadline"] >= now)))
     writing = int(np.count_nonzero((e["state"] == WRITING) & (e["write_deadline"] >= now)))
