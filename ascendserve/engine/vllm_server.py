@@ -374,12 +374,20 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
         # vLLM's workers (children of its engine process) outlive the API server's
         # shutdown by a moment and still hold the region: wait for them to go so
         # that this close can be the last one and remove the name
+        import time
+
+        deadline = time.monotonic() + wait_s
         left = _wait_for_children(wait_s)
+        # vLLM SIGKILLs its engine core before the workers, which are then no longer this
+        # process's descendants but still hold the region while they die (a TP worker's exit,
+        # unmapping gigabytes, takes a moment): the region outlived its cluster when such a
+        # worker was the last holder (the EPD shm and chaos tests). They keep this process's group.
+        group = os.getpgid(0)
+        while (dying := held.holders(group)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         unlinked = held.close()
-        # says why a region outlives its cluster (the chaos test's leftover, not yet explained):
-        # another holder was still open when this instance closed, or its own children were
         get_logger("ascendserve.engine").info("EC region closed", region=held.name, removed=unlinked,
-                                              children_left=left)
+                                              children_left=left, group_holders_left=dying)
     prefix = f"asf-ec-recv-{os.getpid()}"
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

@@ -179,3 +179,77 @@ def test_snapshot_counts_what_peers_hold_without_holding_the_region(name):
         assert snapshot(name)["held"] == 0
     finally:
         r.close()  # still the last holder: the fixture checks the name is gone
+
+
+def _orphan_holder(name: str, hold_s: float) -> int:
+    """A process of this process's group that is not its descendant (its parent exited: as vLLM's
+    workers are once vLLM SIGKILLed their engine core first), holding the region for hold_s and
+    exiting without closing it. Returns its pid once it holds the region."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(r)
+        if os.fork() == 0:
+            held = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            time.sleep(hold_s)
+            os._exit(0)  # no close: the kernel lets go of its descriptor, as for a killed process
+            del held
+        os._exit(0)
+    os.close(w)
+    os.waitpid(child, 0)
+    pid = int(os.read(r, 32) or b"0")
+    os.close(r)
+    assert pid, "the holder never opened the region"
+    return pid
+
+
+def test_holders_are_found_by_group_and_counted_until_their_descriptors_go(name):
+    import subprocess
+    import sys
+
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    group = os.getpgid(0)
+    orphan = _orphan_holder(name, 30)
+    # another instance: a session and process group of its own
+    other = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              "from ascendserve.connectors.ec.region import Region\n"
+                              f"r = Region({name!r}, size_bytes={8 * BLOCK}, block_size={BLOCK})\n"
+                              "print('held', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert other.stdout.readline().strip() == b"held"
+        assert r.holders(group) == [orphan]
+        assert sorted(r.holders()) == sorted([orphan, other.pid])
+        os.kill(orphan, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while orphan in r.holders(group) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.holders(group) == [] and r.holders() == [other.pid]
+    finally:
+        for pid in (orphan, other.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        other.wait(10)
+    r.close()
+
+
+def test_an_instance_waits_for_its_orphaned_workers_before_the_last_close(name):
+    """An engine instance's close of the host's region waits for the processes of its group that
+    still hold it although they are no longer its descendants: vLLM kills its engine core before
+    the workers, which hold the region while they die. Without the wait the instance closed
+    first, was not the last holder, nobody unlinked, and the region stayed in /dev/shm (the EPD
+    shm and chaos tests' leftover)."""
+    pytest.importorskip("psutil")
+    from ascendserve.engine.vllm_server import _release_ec_regions
+
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    orphan = _orphan_holder(name, 1.5)
+    assert r.holders(os.getpgid(0)) == [orphan]
+    started = time.monotonic()
+    _release_ec_regions(r, wait_s=20)
+    assert r.closed and not os.path.exists(f"/dev/shm/{name}"), "the instance closed before its orphan let go"
+    assert time.monotonic() - started < 15

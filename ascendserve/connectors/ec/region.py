@@ -224,6 +224,34 @@ class Region:
         self._unmap()
         return unlinked
 
+    def holders(self, group: int | None = None) -> list[int]:
+        """Other processes that have this region open (of process group `group` only, if given):
+        found by the file's identity in /proc/<pid>/fd, so a process being killed counts until
+        its descriptors are gone, and a zombie does not."""
+        if self.closed:
+            return []
+        st = os.fstat(self._fd)
+        me, out = os.getpid(), []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            pid = int(name)
+            try:
+                if group is not None and os.getpgid(pid) != group:
+                    continue
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:  # gone, or not ours to read
+                continue
+            for fd in fds:
+                try:
+                    other = os.stat(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                    out.append(pid)
+                    break
+        return out
+
     def _disown(self) -> None:
         """Drop this process's mapping and descriptor without the lock or an unlink (after a fork)."""
         if self.closed:
