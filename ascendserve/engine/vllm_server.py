@@ -336,18 +336,26 @@ class SeedThread:
             self.seed.stop()
 
 
-def _wait_for_children(timeout_s: float) -> list[str]:
-    import time
-
+def _own_holders(held) -> list[int]:
+    """The processes of this instance that still hold the region: its descendants, and the
+    members of its process group that are no longer its descendants (vLLM SIGKILLs its engine
+    core before the workers, which are then reparented but keep the group and hold the region
+    while they die). Another instance's holders on the host are not waited for."""
     import psutil
 
-    deadline = time.monotonic() + timeout_s
-    me = psutil.Process()
-    while True:
-        running = [p for p in me.children(recursive=True) if still_running(p)]
-        if not running or time.monotonic() >= deadline:
-            return [str(p.pid) for p in running]
-        time.sleep(0.1)
+    group = os.getpgid(0)
+    try:
+        mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        mine = set()
+    out = []
+    for pid in held.holders():
+        try:
+            if pid in mine or os.getpgid(pid) == group:
+                out.append(pid)
+        except OSError:  # gone meanwhile
+            continue
+    return out
 
 
 def _uses_ec(config: Config) -> bool:
@@ -377,17 +385,13 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
         import time
 
         deadline = time.monotonic() + wait_s
-        left = _wait_for_children(wait_s)
-        # vLLM SIGKILLs its engine core before the workers, which are then no longer this
-        # process's descendants but still hold the region while they die (a TP worker's exit,
-        # unmapping gigabytes, takes a moment): the region outlived its cluster when such a
-        # worker was the last holder (the EPD shm and chaos tests). They keep this process's group.
-        group = os.getpgid(0)
-        while (dying := held.holders(group)) and time.monotonic() < deadline:
+        # a child that does not hold the region is not waited for: under a test runner or a
+        # supervisor this process's descendants are not all vLLM's
+        while (left := _own_holders(held)) and time.monotonic() < deadline:
             time.sleep(0.05)
         unlinked = held.close()
         get_logger("ascendserve.engine").info("EC region closed", region=held.name, removed=unlinked,
-                                              children_left=left, group_holders_left=dying)
+                                              holders_left=left)
     prefix = f"asf-ec-recv-{os.getpid()}"
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

@@ -253,3 +253,25 @@ def test_an_instance_waits_for_its_orphaned_workers_before_the_last_close(name):
     _release_ec_regions(r, wait_s=20)
     assert r.closed and not os.path.exists(f"/dev/shm/{name}"), "the instance closed before its orphan let go"
     assert time.monotonic() - started < 15
+
+
+def test_an_instance_does_not_wait_for_children_that_do_not_hold_the_region(name):
+    """Only holders delay the last close: a process that has other children (a test runner's
+    worker with a cluster of its own, a supervisor) closed at its deadline instead (the CI run
+    where this file's previous test took 20 s)."""
+    pytest.importorskip("psutil")
+    import subprocess
+    import sys
+
+    from ascendserve.engine.vllm_server import _release_ec_regions
+
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = time.monotonic()
+        _release_ec_regions(r, wait_s=20)
+        assert r.closed and not os.path.exists(f"/dev/shm/{name}")
+        assert time.monotonic() - started < 10, "the close waited for a child that does not hold the region"
+    finally:
+        bystander.kill()
+        bystander.wait()
