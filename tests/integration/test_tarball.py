@@ -257,6 +257,11 @@ def test_1p1d_compiled_serves_like_plain_vllm(release, user_model, text_model, u
         # with the host's g++ and the bundle's headers, in its cache under the fresh HOME
         compiled = tmp_path / "home" / ".cache" / "vllm" / "torch_compile_cache"
         assert list(compiled.glob("**/inductor_cache/**/*.so")), sorted(map(str, compiled.rglob("*")))[:40]
+        # P and D found the cache empty together: one compiled and saved, the other waited for
+        # it and loaded (engine/patches/compile_cache.py's lock), instead of both compiling
+        assert text.count("saved AOT compiled function") == 1, text[-6000:]
+        assert text.count("Directly load AOT compilation") == 1, text[-6000:]
+        assert "Compiling model again" not in text
         assert list(cwd.iterdir()) == []  # nothing resolved against, or written into, the working directory
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0

@@ -83,3 +83,93 @@ def test_left_alone_where_the_loader_or_the_class_needs_nothing():
     assert compile_cache.apply(finalizing, Bundled) and Bundled().finalize_loading(None) is None
     with pytest.raises(TypeError):  # a vLLM without that loader: the check does not fit, say so
         compile_cache.apply(types.SimpleNamespace(), type("Other", (), {}))
+
+
+def test_engines_that_start_together_compile_once_and_the_others_load(bundled, tmp_path, monkeypatch):
+    """compile_cache.apply_lock around vLLM's own loader: of two engines (threads here: a flock
+    is per open file, so they contend as processes do) that find the same entry empty at once,
+    the first compiles and saves while the second waits, then loads what the first saved.
+    Without the lock the second also finds nothing and compiles."""
+    import threading
+    import time
+
+    from vllm.compilation import decorators
+    from vllm.config import VllmConfig
+
+    assert compile_cache.apply()  # the loader can load stock Inductor's functions at all
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(decorators, "_try_load_aot_compiled_fn", decorators._try_load_aot_compiled_fn)
+    assert compile_cache.apply_lock() and compile_cache.apply_lock() == []  # idempotent
+    assert compile_cache.loader_finalizes()  # its check still reads vLLM's loader under the wrapper
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    path = str(tmp_path / "cache" / "rank_0_0" / "model")
+    config = VllmConfig()
+    events: list[str] = []
+    compiling = threading.Event()
+
+    def engine(name: str) -> None:
+        def save():  # vLLM saves right after it compiled (save_aot_compiled_function)
+            time.sleep(2.0)  # a compile that takes a while
+            compiled = torch.compile(_layer, fullgraph=True, backend="inductor").aot_compile(((x, w), {}))
+            compiled.save_compiled_function(path)
+            events.append(f"{name} saved")
+
+        model = types.SimpleNamespace(vllm_config=config, compilation_config=config.compilation_config,
+                                      _is_encoder=False, _compile_tag="test", forward=_layer,
+                                      save_aot_compiled_function=save)
+        loaded = decorators._try_load_aot_compiled_fn(model, path)
+        if loaded is None:
+            events.append(f"{name} compiles")
+            compiling.set()
+            model.save_aot_compiled_function()
+            assert model.save_aot_compiled_function is save  # the wrapper went with the lock
+        else:
+            events.append(f"{name} loaded")
+            assert torch.allclose(loaded(x, w), _layer(x, w))
+
+    first = threading.Thread(target=engine, args=("first",))
+    first.start()
+    assert compiling.wait(60)
+    second = threading.Thread(target=engine, args=("second",))
+    second.start()
+    first.join(120)
+    second.join(120)
+    assert events == ["first compiles", "first saved", "second loaded"]
+    # a warm cache: the lock is free and the loader loads at once
+    started = time.monotonic()
+    engine("third")
+    assert events[-1] == "third loaded" and time.monotonic() - started < 30
+
+
+def test_the_compile_lock_gives_up_after_its_wait(tmp_path, monkeypatch):
+    """A waiter whose compiler never finishes compiles by itself past ASCENDSERVE_COMPILE_LOCK_WAIT_S."""
+    import fcntl
+    import time
+
+    calls = []
+
+    def loader(model, path):
+        calls.append(path)
+        return None
+
+    fake = types.SimpleNamespace(_try_load_aot_compiled_fn=loader)
+    monkeypatch.setenv(compile_cache.LOCK_WAIT_ENV, "1")
+    assert compile_cache.apply_lock(fake)
+    path = str(tmp_path / "model")
+    holder = open(path + ".lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    def save():
+        pass
+
+    model = types.SimpleNamespace(compilation_config=types.SimpleNamespace(backend="inductor"),
+                                  save_aot_compiled_function=save)
+    started = time.monotonic()
+    assert fake._try_load_aot_compiled_fn(model, path) is None and calls == [path]
+    assert 1 <= time.monotonic() - started < 10
+    assert model.save_aot_compiled_function is save  # unlocked: nothing to release after the save
+    holder.close()
+    monkeypatch.setenv(compile_cache.LOCK_WAIT_ENV, "0")  # off: vLLM's loader as it is
+    assert compile_cache.apply_lock(types.SimpleNamespace(_try_load_aot_compiled_fn=loader)) == []
+    monkeypatch.setenv(compile_cache.LOCK_WAIT_ENV, "soon")
+    with pytest.raises(ValueError, match="ASCENDSERVE_COMPILE_LOCK_WAIT_S"):
+        compile_cache.apply_lock(types.SimpleNamespace(_try_load_aot_compiled_fn=loader))

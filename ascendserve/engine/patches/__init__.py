@@ -25,6 +25,9 @@ Any platform:
   compile_cache     vLLM's compile cache is loaded instead of recompiled where
                     stock Inductor compiled the model (vLLM's CPU default): a
                     tuning-free engine compiled again at every start, 50-145 s
+  compile_lock      engines of a host that find the same cache entry empty at
+                    once compile it once: the first compiles, the others wait
+                    for it and load (ASCENDSERVE_COMPILE_LOCK_WAIT_S, 300 s)
 
 Any platform, when asked for (ASCENDSERVE_SHM_NAP_MS, which
 engine.host_defaults sets on CPU hosts with fewer cores than engine processes):
@@ -52,7 +55,9 @@ def apply_all() -> dict[str, list[str]]:
 
     # (name, install, what stays broken when its check does not fit this vLLM)
     fixes = [("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling"),
-             ("compile_cache", compile_cache.apply, "engines that compile their model recompile it at every start")]
+             ("compile_cache", compile_cache.apply, "engines that compile their model recompile it at every start"),
+             ("compile_lock", compile_cache.apply_lock,
+              "engines of one host that start together each compile the same model")]
     if current_platform.is_cpu():
         from ascendserve.engine.patches import (core_fork, cpu_communicator, cpu_mla, cpu_moe, cpu_rope, gloo_device,
                                                 worker_fork)
