@@ -143,6 +143,7 @@ def _memory_of_direct_starts(request):
 import ast
 import re
 import threading
+import time
 
 import psutil
 
@@ -406,6 +407,22 @@ def pytest_configure(config):
         _watchdog.thread.start()
 
 
+_SESSION_STARTED = time.time()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's wall-clock span, setup to teardown, for the session's timeline (tests/timeline.py)."""
+    from tests.timeline import note
+
+    started = time.time()
+    try:
+        return (yield)
+    finally:
+        worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
+        note(item.nodeid, worker, started, time.time())
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Stop the session-wide engines (once every worker is done) and check they left nothing."""
     if not _controller(session.config):
@@ -413,10 +430,20 @@ def pytest_sessionfinish(session, exitstatus):
     from tests.memory import waits_summary
     from tests.shared_engines import end_session
 
+    from tests.timeline import summary
+
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter else print
+    if reporter:
+        reporter.ensure_newline()
     waits = waits_summary()  # before end_session removes the directory it is kept in
     if waits:
-        (reporter.write_line if reporter else print)(f"tests.memory: {waits}")
+        write(f"tests.memory: {waits}")
+    timeline = summary(_SESSION_STARTED)
+    if len(timeline) > 1:
+        write("tests.timeline: modules by start (seconds after the session started)")
+        for line in timeline:
+            write("  " + line)
     problems = end_session()
     if problems:
         for line in problems:
