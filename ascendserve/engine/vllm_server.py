@@ -18,7 +18,7 @@ from typing import Any
 
 from ascendserve.config import Config, ConfigError, redact_args
 from ascendserve.engine.host_defaults import engine_dtype, memory_args, process_env
-from ascendserve.engine.startup_stop import StartupInterrupted, _StartupStop, still_running
+from ascendserve.engine.startup_stop import StartupInterrupted, _StartupStop
 from ascendserve.logging import get_logger, vllm_dictconfig
 
 # Settings the role owns; passing them through would silently change the role.
@@ -336,11 +336,17 @@ class SeedThread:
             self.seed.stop()
 
 
-def _own_holders(held) -> list[int]:
-    """The processes of this instance that still hold the region: its descendants, and the
-    members of its process group that are no longer its descendants (vLLM SIGKILLs its engine
-    core before the workers, which are then reparented but keep the group and hold the region
-    while they die). Another instance's holders on the host are not waited for."""
+def _holders_to_wait_for(held) -> list[int]:
+    """The holders of the region that are going away, which this instance's last close waits for
+    so that it can be the last holder and remove the name:
+    - its own processes: its descendants, and the members of its process group that are no
+      longer its descendants (vLLM SIGKILLs its engine core before the workers, which are then
+      reparented but keep the group and hold the region while they die);
+    - the processes of a killed instance: members of a process group whose leader (the role's
+      main process, which every launcher starts in a session of its own) is gone; vLLM's
+      processes exit when their parent dies, and a SIGKILLed process never closes the region,
+      so without the wait nobody unlinks it (the EPD test's SIGKILLed encoder, the chaos test).
+    A live instance's holders are not waited for: the last of them removes the name."""
     import psutil
 
     group = os.getpgid(0)
@@ -348,13 +354,24 @@ def _own_holders(held) -> list[int]:
         mine = {p.pid for p in psutil.Process().children(recursive=True)}
     except psutil.Error:
         mine = set()
+    leaders: dict[int, bool] = {}
+
+    def leader_gone(pgid: int) -> bool:
+        if pgid not in leaders:
+            try:
+                leaders[pgid] = psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                leaders[pgid] = True
+        return leaders[pgid]
+
     out = []
     for pid in held.holders():
         try:
-            if pid in mine or os.getpgid(pid) == group:
-                out.append(pid)
+            pgid = os.getpgid(pid)
         except OSError:  # gone meanwhile
             continue
+        if pid in mine or pgid == group or (pgid != pid and leader_gone(pgid)):
+            out.append(pid)
     return out
 
 
@@ -386,8 +403,8 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
 
         deadline = time.monotonic() + wait_s
         # a child that does not hold the region is not waited for: under a test runner or a
-        # supervisor this process's descendants are not all vLLM's
-        while (left := _own_holders(held)) and time.monotonic() < deadline:
+        # supervisor this process's descendants are not all vLLM's (_holders_to_wait_for)
+        while (left := _holders_to_wait_for(held)) and time.monotonic() < deadline:
             time.sleep(0.05)
         unlinked = held.close()
         get_logger("ascendserve.engine").info("EC region closed", region=held.name, removed=unlinked,
