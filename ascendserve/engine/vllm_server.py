@@ -406,9 +406,10 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
         # supervisor this process's descendants are not all vLLM's (_holders_to_wait_for)
         while (left := _holders_to_wait_for(held)) and time.monotonic() < deadline:
             time.sleep(0.05)
+        others = held.holders()  # live instances', and whatever else keeps the name (the log says)
         unlinked = held.close()
         get_logger("ascendserve.engine").info("EC region closed", region=held.name, removed=unlinked,
-                                              holders_left=left)
+                                              holders_left=left, other_holders=others)
     prefix = f"asf-ec-recv-{os.getpid()}"
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
