@@ -336,7 +336,7 @@ class SeedThread:
             self.seed.stop()
 
 
-def _holders_to_wait_for(held) -> list[int]:
+def _holders_to_wait_for(holders: list[int]) -> list[int]:
     """The holders of the region that are going away, which this instance's last close waits for
     so that it can be the last holder and remove the name:
     - its own processes: its descendants, and the members of its process group that are no
@@ -365,7 +365,7 @@ def _holders_to_wait_for(held) -> list[int]:
         return leaders[pgid]
 
     out = []
-    for pid in held.holders():
+    for pid in holders:
         try:
             pgid = os.getpgid(pid)
         except OSError:  # gone meanwhile
@@ -404,12 +404,18 @@ def _release_ec_regions(held, wait_s: float = 15.0) -> None:
         deadline = time.monotonic() + wait_s
         # a child that does not hold the region is not waited for: under a test runner or a
         # supervisor this process's descendants are not all vLLM's (_holders_to_wait_for)
-        while (left := _holders_to_wait_for(held)) and time.monotonic() < deadline:
+        while True:
+            others = held.holders()  # live instances' too, and whatever else keeps the name (the log says)
+            left = _holders_to_wait_for(others)
+            if not left or time.monotonic() >= deadline:
+                break
             time.sleep(0.05)
-        others = held.holders()  # live instances', and whatever else keeps the name (the log says)
-        unlinked = held.close()
+        # a killed holder's lock outlives its descriptors by a moment: the close retries while
+        # nobody shows the region open
+        unlinked = held.close(settle_s=max(2.0, deadline - time.monotonic()))
         get_logger("ascendserve.engine").info("EC region closed", region=held.name, removed=unlinked,
-                                              holders_left=left, other_holders=others)
+                                              holders_left=left, other_holders=others,
+                                              locked_by=[] if unlinked else held.lock_pids())
     prefix = f"asf-ec-recv-{os.getpid()}"
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

@@ -181,12 +181,14 @@ def test_snapshot_counts_what_peers_hold_without_holding_the_region(name):
         r.close()  # still the last holder: the fixture checks the name is gone
 
 
-def _orphan_holder(name: str, hold_s: float, killed_instance: bool = False) -> int:
+def _orphan_holder(name: str, hold_s: float, killed_instance: bool = False, leader_exits: bool = False) -> int:
     """A process of this process's group that is not its descendant (its parent exited: as vLLM's
     workers are once vLLM SIGKILLed their engine core first), holding the region for hold_s and
     exiting without closing it. Returns its pid once it holds the region. killed_instance: it is
     in a process group of its own whose leader is gone instead (what is left of an instance
-    whose main process was SIGKILLed)."""
+    whose main process was SIGKILLed). leader_exits: its main thread exits once it holds the
+    region and another thread holds it on (a multithreaded process being killed, whose main
+    thread is gone while the last thread tears down its memory)."""
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -197,6 +199,16 @@ def _orphan_holder(name: str, hold_s: float, killed_instance: bool = False) -> i
             held = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
             os.write(w, str(os.getpid()).encode())
             os.close(w)
+            if leader_exits:
+                import ctypes
+                import threading
+
+                def hold():
+                    time.sleep(hold_s)
+                    os._exit(0)
+
+                threading.Thread(target=hold).start()
+                ctypes.CDLL(None).pthread_exit(None)
             time.sleep(hold_s)
             os._exit(0)  # no close: the kernel lets go of its descriptor, as for a killed process
             del held
@@ -331,3 +343,81 @@ def test_an_instance_does_not_wait_for_a_live_instance(name):
         last = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
         _wait_until_released(last)
         assert last.close()  # the last holder: removes the name
+
+
+def _exited_leader(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        state = next(line for line in f if line.startswith("State:"))
+    return "Z" in state and not os.listdir(f"/proc/{pid}/fd") and len(os.listdir(f"/proc/{pid}/task")) > 1
+
+
+def test_a_holder_whose_main_thread_exited_is_still_a_holder(name):
+    """A multithreaded process being killed can lose its main thread first: /proc/<pid>/fd is then
+    empty while its other threads still hold the file and its flock. It counts as a holder."""
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    holder = _orphan_holder(name, 30, leader_exits=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not _exited_leader(holder) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _exited_leader(holder)
+        assert r.holders() == [holder] and r.holders(os.getpgid(0)) == [holder]
+        assert holder in r.lock_pids()
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        _wait_until_released(r)
+    assert r.close()
+
+
+def test_an_instance_waits_for_a_holder_whose_main_thread_exited(name):
+    """The CI leak of the EPD shm cluster (prefill's last close: removed=false, holders_left=[],
+    other_holders=[]): its worker, SIGKILLed by vLLM, had lost its main thread and showed no
+    descriptors while its last thread still held the region. The close now waits for it."""
+    pytest.importorskip("psutil")
+    from ascendserve.engine.vllm_server import _release_ec_regions
+
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    holder = _orphan_holder(name, 1.5, leader_exits=True)
+    deadline = time.monotonic() + 10
+    while not _exited_leader(holder) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _release_ec_regions(r, wait_s=20)
+    assert r.closed and not os.path.exists(f"/dev/shm/{name}"), "closed while the holder's thread held the region"
+
+
+def test_the_last_close_retries_while_a_lock_outlives_every_descriptor(name):
+    """A killed holder's flock is released a moment after its descriptors leave /proc: a close
+    that finds the lock held but nobody holding the region tries again for settle_s (here the
+    lock is held through a mapping alone, which /proc/<pid>/fd does not show)."""
+    import ctypes
+    import fcntl
+    import mmap
+
+    r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+    rd, wr = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(rd)
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        # libc's mmap (Python's keeps a descriptor of its own): the mapping keeps the open file,
+        # and its lock, after the descriptor goes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        addr = libc.mmap(None, BLOCK, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        os.close(fd)
+        os.write(wr, b"1" if addr not in (None, ctypes.c_void_p(-1).value) else b"0")
+        time.sleep(1.0)
+        os._exit(0)
+    os.close(wr)
+    assert os.read(rd, 1) == b"1"
+    os.close(rd)
+    try:
+        assert r.holders() == []
+        started = time.monotonic()
+        assert r.close(settle_s=10), "the close gave up while the lock was held"
+        assert time.monotonic() - started < 8
+    finally:
+        os.waitpid(child, 0)

@@ -129,6 +129,8 @@ class Region:
         self.block_size, self.num_blocks, self.max_entries = block_size, num_blocks, max_entries
         self._tlock = threading.Lock()
         self._fd = self._attach()
+        st = os.fstat(self._fd)
+        self.ident = (st.st_dev, st.st_ino)  # the file this mapping is of, which the name may outlive
         entries_at, next_at, data_at, total = _sizes(block_size, num_blocks, max_entries)
         try:
             with self._locked():
@@ -202,36 +204,51 @@ class Region:
         fcntl.flock(self._fd, fcntl.LOCK_SH)
         return alone
 
-    def close(self) -> bool:
-        """Unmap; the last process to close unlinks the name. Whether this close unlinked it."""
+    def close(self, settle_s: float = 0.0) -> bool:
+        """Unmap; the last process to close unlinks the name. Whether this close unlinked it.
+
+        settle_s: while the shared lock is still held but no process shows the region open, try
+        again for up to this long. The kernel releases a dying process's flock a moment after
+        its descriptors leave /proc (the last reference is dropped after the fd table goes)."""
         if self.closed:
             return False
         self.closed = True
-        unlinked = False
+        deadline = time.monotonic() + settle_s
+        while True:
+            last, unlinked = self._unlink_if_last()
+            if last or time.monotonic() >= deadline or self._holders():
+                break
+            time.sleep(0.02)
+        self._unmap()
+        return unlinked
+
+    def _unlink_if_last(self) -> tuple[bool, bool]:
+        """(whether no other open file holds the region, whether this call unlinked the name).
+        A failed upgrade leaves this process without its shared lock: it is closing."""
         with self._locked():
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                last = True
             except OSError:
-                last = False
-            if last:
-                try:
-                    if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                        os.unlink(self.path)
-                        unlinked = True
-                except FileNotFoundError:
-                    pass
-        self._unmap()
-        return unlinked
+                return False, False
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    os.unlink(self.path)
+                    return True, True
+            except FileNotFoundError:
+                pass
+            return True, False
 
     def holders(self, group: int | None = None) -> list[int]:
         """Other processes that have this region open (of process group `group` only, if given):
         found by the file's identity in /proc/<pid>/fd, so a process being killed counts until
-        its descriptors are gone, and a zombie does not."""
-        if self.closed:
-            return []
-        st = os.fstat(self._fd)
-        me, out = os.getpid(), []
+        its descriptors are gone, and a zombie does not. A process whose main thread has exited
+        while its other threads still run (a multithreaded process being killed: the last thread
+        tears down its memory and closes its files) shows no descriptors of its own; its
+        threads' are looked at instead."""
+        return [] if self.closed else self._holders(group)
+
+    def _holders(self, group: int | None = None) -> list[int]:
+        ident, me, out = self.ident, os.getpid(), []
         for name in os.listdir("/proc"):
             if not name.isdigit() or int(name) == me:
                 continue
@@ -239,18 +256,17 @@ class Region:
             try:
                 if group is not None and os.getpgid(pid) != group:
                     continue
-                fds = os.listdir(f"/proc/{pid}/fd")
+                if _has_open(f"/proc/{pid}", ident):
+                    out.append(pid)
             except OSError:  # gone, or not ours to read
                 continue
-            for fd in fds:
-                try:
-                    other = os.stat(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
-                    out.append(pid)
-                    break
         return out
+
+    def lock_pids(self) -> list[int]:
+        """The pids /proc/locks names for flocks on this region (who locked them, which for an
+        inherited descriptor is the process that took the lock): for the log of a close that
+        found the region still held. Readable after the close."""
+        return _lock_pids(*self.ident)
 
     def _disown(self) -> None:
         """Drop this process's mapping and descriptor without the lock or an unlink (after a fork)."""
@@ -442,6 +458,54 @@ class Region:
             return {"entries": int(np.count_nonzero(self._entries["state"] == READY)),
                     "free_blocks": int(h["free_count"]), "num_blocks": self.num_blocks,
                     "evictions": int(h["evictions"])}
+
+
+def _open_in(fd_dir: str, ident: tuple[int, int]) -> bool | None:
+    """Whether one of the descriptors in fd_dir is the file `ident`; None when it lists none."""
+    fds = os.listdir(fd_dir)
+    for fd in fds:
+        try:
+            other = os.stat(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == ident:
+            return True
+    return False if fds else None
+
+
+def _has_open(proc: str, ident: tuple[int, int]) -> bool:
+    """Whether the process at /proc/<pid> has the file open. A main thread that exited (its
+    process being killed, or it called pthread_exit) lists no descriptors while the other
+    threads still hold the shared table: then those threads' are read."""
+    found = _open_in(f"{proc}/fd", ident)
+    if found is not None:
+        return found
+    for tid in os.listdir(f"{proc}/task"):
+        try:
+            if _open_in(f"{proc}/task/{tid}/fd", ident):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _lock_pids(dev: int, ino: int) -> list[int]:
+    """Pids of the /proc/locks entries for the file (dev, ino)."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  READ 1234 00:1b:5678 0 EOF" (a blocked waiter has "->" after the index)
+        if "->" in parts:
+            continue
+        if len(parts) >= 6 and parts[5] == want and parts[1] == "FLOCK":
+            out.append(int(parts[4]))
+    return out
 
 
 def _observed_entries(name: str, *, strict: bool) -> np.ndarray | None:
