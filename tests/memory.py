@@ -30,6 +30,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests import session_records
 from tests.reaper import alive as _alive
 
 LEDGER = Path(os.environ.get("ASCENDSERVE_TEST_LEDGER", "/tmp/ascendserve-test-memory.json"))
@@ -136,30 +137,16 @@ def reserve_many(wants: list[tuple[float, str]], owner: int | None = None, wait_
 WAITS_FILE = "memory-waits.jsonl"  # in the session's shared directory (tests/shared_engines.py)
 
 
-def _waits_path() -> Path | None:
-    value = os.environ.get("ASCENDSERVE_TEST_SHARED_DIR")
-    return Path(value) / WAITS_FILE if value else None
-
-
 def _note_wait(what: str, gib: float, seconds: float) -> None:
     """Record a start that waited for the budget, for the session's summary (waits_summary)."""
-    path = _waits_path()
-    if path is None:
-        return
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps({"what": what, "gib": round(gib, 2), "s": round(seconds, 1), "pid": os.getpid()}) + "\n")
-    except OSError:
-        pass
+    session_records.append(WAITS_FILE, {"what": what, "gib": round(gib, 2), "s": round(seconds, 1),
+                                        "pid": os.getpid()})
 
 
 def waits_summary() -> str | None:
     """One line on the session's waits for the budget (engine starts held back while both workers'
     engines filled it): how many, how long in all, the longest; None when nothing waited."""
-    path = _waits_path()
-    if path is None or not path.exists():
-        return None
-    waits = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    waits = session_records.read(WAITS_FILE)
     if not waits:
         return None
     longest = sorted(waits, key=lambda w: -w["s"])[:3]

@@ -31,9 +31,9 @@ from typing import Callable
 
 import psutil
 
-from tests import memory
+from tests import memory, session_records
 
-DIR_ENV = "ASCENDSERVE_TEST_SHARED_DIR"
+DIR_ENV = session_records.DIR_ENV
 SESSION_ENV = "ASCENDSERVE_TEST_SESSION_PID"
 STOP_S = 30.0
 

@@ -10,48 +10,31 @@ tests/conftest.py orders the modules) shows in every run's log.
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
+
+from tests import session_records
 
 FILE = "timeline.jsonl"
 
 
-def _path() -> Path | None:
-    value = os.environ.get("ASCENDSERVE_TEST_SHARED_DIR")
-    return Path(value) / FILE if value else None
-
-
 def note(nodeid: str, worker: str, started: float, ended: float) -> None:
-    path = _path()
-    if path is None:
-        return
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps({"id": nodeid, "w": worker, "t0": round(started, 2), "t1": round(ended, 2)}) + "\n")
-    except OSError:
-        pass
+    session_records.append(FILE, {"id": nodeid, "w": worker, "t0": round(started, 2), "t1": round(ended, 2)})
 
 
 def summary(session_started: float, now: float | None = None) -> list[str]:
     """Lines: per module, in the order modules started: worker, start offset, span (s); then per
     worker, its busy seconds and how long it idled at the end."""
-    path = _path()
-    if path is None or not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = session_records.read(FILE)
     if not rows:
         return []
     now = time.time() if now is None else now
     modules: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         key = (r["id"].split("::", 1)[0], r["w"])
-        span = modules.setdefault(key, [r["t0"], r["t1"], 0.0])
+        span = modules.setdefault(key, [r["t0"], r["t1"]])
         span[0], span[1] = min(span[0], r["t0"]), max(span[1], r["t1"])
-        span[2] += r["t1"] - r["t0"]
     lines = [f"{'module':52s} {'worker':6s} {'start':>6s} {'span':>6s}"]
-    for (module, worker), (t0, t1, _) in sorted(modules.items(), key=lambda kv: kv[1][0]):
+    for (module, worker), (t0, t1) in sorted(modules.items(), key=lambda kv: kv[1][0]):
         if t1 - t0 >= 5:
             lines.append(f"{module:52s} {worker:6s} {t0 - session_started:6.0f} {t1 - t0:6.0f}")
     last = max(r["t1"] for r in rows)

@@ -122,6 +122,26 @@ def test_waits_for_the_budget_are_summed_for_the_session(ledger, tmp_path, monke
     assert 0.5 <= seconds < 10, summary
 
 
+
+def test_the_timeline_shows_each_modules_span_and_each_workers_idle_tail(tmp_path, monkeypatch):
+    from tests import timeline
+
+    monkeypatch.setenv("ASCENDSERVE_TEST_SHARED_DIR", str(tmp_path))
+    assert timeline.summary(1000.0, 1200.0) == []
+    timeline.note("tests/a.py::one", "gw0", 1010, 1050)
+    timeline.note("tests/b.py::one", "gw1", 1001, 1020)
+    timeline.note("tests/a.py::two", "gw0", 1050, 1150)
+    timeline.note("tests/b.py::tiny", "gw1", 1020, 1022)
+    timeline.note("tests/c.py::x", "gw1", 1100, 1102)  # under 5 s: no module line
+    lines = timeline.summary(1000.0, 1200.0)
+    rows = [line.split() for line in lines[1:3]]
+    assert rows == [["tests/b.py", "gw1", "1", "21"], ["tests/a.py", "gw0", "10", "140"]], lines
+    assert not any(line.startswith("tests/c.py") for line in lines)
+    assert "worker gw0: busy 140 s, idle 0 s at the end (last test ended 150 s in)" in lines
+    assert "worker gw1: busy 23 s, idle 48 s at the end (last test ended 102 s in)" in lines
+    assert lines[-1] == "session: 200 s, tests ran until 150 s"
+
+
 @pytest.fixture
 def ledger(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "LEDGER", tmp_path / "ledger.json")
