@@ -31,24 +31,30 @@ def _model_key(kind: str) -> str:
     return digest.hexdigest()[:12]
 
 
-def _build(kind: str) -> Path:
-    """The tiny model of `kind`, built once per key for every session and worker on this host
-    (model_cache(); under its flock). Its path is stable, and vLLM keys its compiled graphs by
-    the model's path, so an untuned (compiling) engine on it loads the graph that an earlier
-    session compiled instead of compiling for a minute again (~/.cache/vllm)."""
+def _made_once(out: Path, make) -> Path:
+    """`out`, made by make(part) once for every session and worker on this host: under an flock
+    next to it, into `<out>.part` (what an interrupted make left there is removed first), then
+    renamed into place, so that a directory at `out` is always whole."""
     from tests.shared_engines import _flock
 
-    out = model_cache() / f"tiny-{kind}-{_model_key(kind)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
     with _flock(out.with_name(out.name + ".lock")):
         if not (out / "config.json").exists():
             part = out.with_name(out.name + ".part")
-            shutil.rmtree(part, ignore_errors=True)  # an interrupted build
-            subprocess.run(
-                [sys.executable, "-m", "ascendserve", "model", "tiny", "--kind", kind, "--out", str(part)],
-                check=True, capture_output=True, timeout=300,
-            )
+            shutil.rmtree(part, ignore_errors=True)
+            make(part)
             part.rename(out)
     return out
+
+
+def _build(kind: str) -> Path:
+    """The tiny model of `kind`, built once per key for every session and worker on this host
+    (model_cache()). Its path is stable, and vLLM keys its compiled graphs by the model's path,
+    so an untuned (compiling) engine on it loads the graph that an earlier session compiled
+    instead of compiling for a minute again (~/.cache/vllm)."""
+    return _made_once(model_cache() / f"tiny-{kind}-{_model_key(kind)}", lambda part: subprocess.run(
+        [sys.executable, "-m", "ascendserve", "model", "tiny", "--kind", kind, "--out", str(part)],
+        check=True, capture_output=True, timeout=300))
 
 
 def host_copy(model: Path, name: str, ignore=None) -> Path:
@@ -58,17 +64,8 @@ def host_copy(model: Path, name: str, ignore=None) -> Path:
     from scratch in every session (~1 CPU-minute), one here loads what an earlier start
     compiled, as a user's engine on their own model directory does. `ignore`: as for
     shutil.copytree (a weightless copy)."""
-    from tests.shared_engines import _flock
-
-    out = model_cache() / "copies" / model.name / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _flock(out.with_name(name + ".lock")):
-        if not (out / "config.json").exists():
-            part = out.with_name(name + ".part")
-            shutil.rmtree(part, ignore_errors=True)  # an interrupted copy
-            shutil.copytree(model, part, ignore=ignore)
-            part.rename(out)
-    return out
+    return _made_once(model_cache() / "copies" / model.name / name,
+                      lambda part: shutil.copytree(model, part, ignore=ignore))
 
 
 @pytest.fixture(scope="session")
