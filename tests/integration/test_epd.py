@@ -1,8 +1,8 @@
 """Encoder disaggregation (EPD) with every EC connector: example, shm, store (memcached).
 
 One cluster per connector on the tiny VL model: an encoder, a PD, a prefill
-and a decode (pull KV), and two proxies (1E1PD; 1E1P1D with fan-out
-encoding); for vLLM's example connector (the reference, not ours) only the
+and a decode (pull KV; the shm and store clusters share one), and two proxies
+(1E1PD; 1E1P1D with fan-out encoding); for vLLM's example connector (the reference, not ours) only the
 encoder, the PD and the 1E1PD proxy. Greedy ids through each must equal one plain vLLM instance's,
 and the tests prove the hand-off happened: the encoder counts its requests
 (vLLM's own request counter), the consumers count the items they loaded
@@ -164,8 +164,20 @@ def _answers(client) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def epd_decode():
+    """The decode of the shm and store clusters: one instance for both, started with the first of
+    them and stopped at the module's end. It neither encodes nor loads encoder outputs, no test
+    stops it or counts on it, and the proxy tells it each request's prefill, so it serves
+    either cluster's prefill as it would the other's (an engine start fewer)."""
+    holder: dict = {}
+    yield holder
+    if "proc" in holder:
+        holder["proc"].stop()
+
+
 @pytest.fixture(scope="module", params=CONNECTORS)
-def epd(request, vl_model, vl_oracle, tmp_path_factory):
+def epd(request, vl_model, vl_oracle, epd_decode, tmp_path_factory):
     connector = request.param
     logs = tmp_path_factory.mktemp(f"epd-{connector}")
     ec_dir = tmp_path_factory.mktemp(f"ec-{connector}")
@@ -188,11 +200,15 @@ def epd(request, vl_model, vl_oracle, tmp_path_factory):
                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp else None)
     prefill = ascendserve("prefill", vl_model, logs, *consumer_ec, "--kv-connector", "pull", *debug,
                           name="prefill")
-    decode = ascendserve("decode", vl_model, logs, "--kv-connector", "pull", name="decode")
     # vLLM's example connector is the reference, not ours: its cluster is 1E1PD only (CI time)
     full = connector != "example"
-    engines = [encoder, pd, prefill, decode] if full else [encoder, pd]
-    procs = list(engines)
+    decode = epd_decode.get("proc")
+    engines = [encoder, pd, prefill] if full else [encoder, pd]
+    if full and decode is None:
+        decode = epd_decode["proc"] = ascendserve("decode", vl_model, tmp_path_factory.mktemp("epd-decode"),
+                                                  "--kv-connector", "pull", name="decode")
+        engines.append(decode)  # started beside the others
+    procs = [p for p in engines if p is not decode]  # this cluster's own: stopped and checked at its end
     # the proxy asks the same store to skip the encoder
     proxy_ec = {"example": ["--ec-connector", "example", "--ec-path", str(ec_dir)],
                 "shm": ["--ec-connector", "shm", "--ec-shm-name", f"asf-ec-test-{os.getpid()}",
