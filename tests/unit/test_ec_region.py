@@ -181,6 +181,12 @@ def test_snapshot_counts_what_peers_hold_without_holding_the_region(name):
         r.close()  # still the last holder: the fixture checks the name is gone
 
 
+def _exited_leader(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        state = next(line for line in f if line.startswith("State:"))
+    return "Z" in state and not os.listdir(f"/proc/{pid}/fd") and len(os.listdir(f"/proc/{pid}/task")) > 1
+
+
 def _orphan_holder(name: str, hold_s: float, killed_instance: bool = False, leader_exits: bool = False) -> int:
     """A process of this process's group that is not its descendant (its parent exited: as vLLM's
     workers are once vLLM SIGKILLed their engine core first), holding the region for hold_s and
@@ -188,7 +194,7 @@ def _orphan_holder(name: str, hold_s: float, killed_instance: bool = False, lead
     in a process group of its own whose leader is gone instead (what is left of an instance
     whose main process was SIGKILLed). leader_exits: its main thread exits once it holds the
     region and another thread holds it on (a multithreaded process being killed, whose main
-    thread is gone while the last thread tears down its memory)."""
+    thread is gone while the last thread tears down its memory); returned once it has."""
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -218,6 +224,11 @@ def _orphan_holder(name: str, hold_s: float, killed_instance: bool = False, lead
     pid = int(os.read(r, 32) or b"0")
     os.close(r)
     assert pid, "the holder never opened the region"
+    if leader_exits:
+        deadline = time.monotonic() + 10
+        while not _exited_leader(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _exited_leader(pid), "the holder's main thread did not exit"
     return pid
 
 
@@ -345,22 +356,12 @@ def test_an_instance_does_not_wait_for_a_live_instance(name):
         assert last.close()  # the last holder: removes the name
 
 
-def _exited_leader(pid: int) -> bool:
-    with open(f"/proc/{pid}/status") as f:
-        state = next(line for line in f if line.startswith("State:"))
-    return "Z" in state and not os.listdir(f"/proc/{pid}/fd") and len(os.listdir(f"/proc/{pid}/task")) > 1
-
-
 def test_a_holder_whose_main_thread_exited_is_still_a_holder(name):
     """A multithreaded process being killed can lose its main thread first: /proc/<pid>/fd is then
     empty while its other threads still hold the file and its flock. It counts as a holder."""
     r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
     holder = _orphan_holder(name, 30, leader_exits=True)
     try:
-        deadline = time.monotonic() + 10
-        while not _exited_leader(holder) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert _exited_leader(holder)
         assert r.holders() == [holder] and r.holders(os.getpgid(0)) == [holder]
         assert holder in r.lock_pids()
     finally:
@@ -377,10 +378,7 @@ def test_an_instance_waits_for_a_holder_whose_main_thread_exited(name):
     from ascendserve.engine.vllm_server import _release_ec_regions
 
     r = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
-    holder = _orphan_holder(name, 1.5, leader_exits=True)
-    deadline = time.monotonic() + 10
-    while not _exited_leader(holder) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _orphan_holder(name, 1.5, leader_exits=True)  # returns once its main thread has exited
     _release_ec_regions(r, wait_s=20)
     assert r.closed and not os.path.exists(f"/dev/shm/{name}"), "closed while the holder's thread held the region"
 
