@@ -38,11 +38,20 @@ def bundled():
         cls.finalize_loading = before
 
 
-def test_vllm_loads_a_function_stock_inductor_compiled_only_with_the_fix(bundled, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    """One Inductor cache for the module's compiles of _layer: the C++ kernel is built once (about
+    25 s here) and the later compiles hit its cache. What the tests check is vLLM's own cache of
+    the compiled function (the path each test saves to), which stays per test."""
+    return str(tmp_path_factory.mktemp("inductor"))
+
+
+def test_vllm_loads_a_function_stock_inductor_compiled_only_with_the_fix(bundled, inductor_cache, tmp_path,
+                                                                         monkeypatch):
     from vllm.compilation import decorators
     from vllm.config import VllmConfig
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     compiled = torch.compile(_layer, fullgraph=True, backend="inductor").aot_compile(((x, w), {}))
     path = str(tmp_path / "model")
@@ -85,7 +94,8 @@ def test_left_alone_where_the_loader_or_the_class_needs_nothing():
         compile_cache.apply(types.SimpleNamespace(), type("Other", (), {}))
 
 
-def test_engines_that_start_together_compile_once_and_the_others_load(bundled, tmp_path, monkeypatch):
+def test_engines_that_start_together_compile_once_and_the_others_load(bundled, inductor_cache, tmp_path,
+                                                                      monkeypatch):
     """compile_cache.apply_lock around vLLM's own loader: of two engines (threads here: a flock
     is per open file, so they contend as processes do) that find the same entry empty at once,
     the first compiles and saves while the second waits, then loads what the first saved.
@@ -97,7 +107,7 @@ def test_engines_that_start_together_compile_once_and_the_others_load(bundled, t
     from vllm.config import VllmConfig
 
     assert compile_cache.apply()  # the loader can load stock Inductor's functions at all
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
     monkeypatch.setattr(decorators, "_try_load_aot_compiled_fn", decorators._try_load_aot_compiled_fn)
     assert compile_cache.apply_lock() and compile_cache.apply_lock() == []  # idempotent
     assert compile_cache.loader_finalizes()  # its check still reads vLLM's loader under the wrapper
