@@ -129,6 +129,9 @@ class _Held:
     def free(self, request_id: str) -> None:
         pass
 
+    def announce(self, request_id: str, block_ids: list[int], ttl_s: float, age_s: float) -> bool:
+        return False
+
 
 def main(argv: list[str]) -> None:
     """Serve every case's caches (one side-channel server per P rank, tcp and shm, torch and

@@ -170,6 +170,9 @@ class HeldBlocks:
     def free(self, request_id: str) -> None:
         return None
 
+    def announce(self, request_id: str, block_ids: list[int], ttl_s: float, age_s: float) -> bool:
+        return request_id in HELD
+
 
 class ExpectedPush:
     """PushSink (transport/base.py): D waits for RID's pushed KV in the HELD blocks."""
@@ -248,6 +251,8 @@ def _kv_channel_seeds():
         + frame({"type": "FREE", "request_id": RID}),
         pull + _kv_hello("shm") + read + frame({"type": "DONE"}) + frame({"type": "FREE", "request_id": RID}),
         pull + _kv_hello(None) + frame({"type": "FREE", "request_id": RID}),
+        pull + _kv_hello(None) + frame({"type": "HOLD", "request_id": RID, "blocks": [0, 1], "ttl_s": 30.0,
+                                        "at": 1.7e9}) + frame({"type": "FREE", "request_id": RID}),
         pull + frame({"type": "HELLO", "token": "wrong"}),
         push + _kv_hello() + frame({"type": "PUSH", "request_id": RID, "layer": 1, "blocks": [3]}, b"\x01" * page)
         + frame({"type": "PUSHED", "request_id": RID, "ok": True}),

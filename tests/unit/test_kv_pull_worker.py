@@ -10,7 +10,9 @@ import time
 import pytest
 import torch
 
-from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings, RecvPlan
+from ascendserve.connectors.kv import pull_worker
+from ascendserve.connectors.kv.hold_announcer import HoldAnnouncer
+from ascendserve.connectors.kv.pull_plan import PullMetadata, PullPlanner, PullSettings, RecvPlan
 from ascendserve.connectors.kv.pull_worker import PullWorker
 from ascendserve.connectors.transport.base import TransferError
 from ascendserve.connectors.transport.channel import ChannelClient, free_remote
@@ -18,6 +20,7 @@ from ascendserve.connectors.transport.mooncake import segments
 from ascendserve.connectors.transport.tcp import TcpTransport
 from ascendserve.protocol import frames
 from tests.kvtools import results_until
+from tests.ports import free_port_run
 
 HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 TRANSPORTS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
@@ -129,9 +132,11 @@ def test_idle_step_waits_for_a_transfer_instead_of_spinning(pair):
     assert p.get_transfer_results() == (set(), set(), set())
     assert time.monotonic() - started >= 0.004  # held something, nothing happened: it waited
     p.start_load_kv(PullMetadata(idle=False))
-    started = time.monotonic()
+    waits = []
+    monkeypatch_wait = p._changed.wait
+    p._changed.wait = lambda timeout=None: waits.append(timeout) or monkeypatch_wait(timeout)
     p.get_transfer_results()
-    assert time.monotonic() - started < 0.004 or True  # a busy step never waits on purpose
+    assert waits == []  # a busy step never waits on purpose, even while something is held
 
 
 def test_wrong_token_layout_and_transport_refused(pair):
@@ -202,3 +207,132 @@ def test_free_that_arrives_before_the_hold_is_not_lost(pair):
     p.start_load_kv(PullMetadata(send={"early": ([5, 6], 30.0)}))
     results_until(p, lambda g: "early" in g[0])  # reported as sent at once, not at its 30 s deadline
     assert p.held_count() == 0
+
+
+# ---- holds announced by P's scheduler (hold_announcer.py), before the step registers them ----
+
+def _sent_once(p, request_id: str, seconds: float = 0.3) -> None:
+    """P reports `request_id` finished sending exactly once, now and in the steps after."""
+    sent, _, _ = results_until(p, lambda g: request_id in g[0])
+    later = [set(), set(), set()]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for acc, new in zip(later, p.get_transfer_results()):
+            acc |= new
+        time.sleep(0.01)
+    assert request_id not in later[0], "reported twice: vLLM's scheduler would free a request it no longer has"
+
+
+def test_announced_hold_is_read_before_any_step_registers_it(pair):
+    """Under async scheduling P's next step may run only after a long prefill: D's READ must not
+    wait for it. The step's metadata arriving later registers nothing a second time."""
+    p, d, port = pair
+    p.hold_wait_s = 0.2  # a READ that found no hold would fail fast: it must not need the wait
+    announcer = HoldAnnouncer("127.0.0.1", port, 1, "tok")
+    try:
+        announcer.announce("req-p", [3, 4], 30.0)
+        d.start_load_kv(PullMetadata(recv=[RecvPlan("req-d", [7, 1], [3, 4], "127.0.0.1", port, "req-p")]))
+        _, _, failed = results_until(d, lambda g: "req-d" in g[1])
+        assert not failed and announcer.sent == 1
+        for src, dst in zip(p.kv.layers, d.kv.layers):
+            assert torch.equal(src[[3, 4]], dst[[7, 1]])
+        _sent_once(p, "req-p")  # D freed it: reported, and the hold is gone
+        p.start_load_kv(PullMetadata(send={"req-p": ([3, 4], 0.05)}))  # the step that was queued behind
+        later = [set(), set(), set()]
+        deadline = time.monotonic() + 0.3  # past the metadata's 0.05 s TTL: a second hold would expire
+        while time.monotonic() < deadline:
+            for acc, new in zip(later, p.get_transfer_results()):
+                acc |= new
+            time.sleep(0.01)
+        assert "req-p" not in later[0] and p.held_count() == 0
+    finally:
+        announcer.close()
+
+
+def test_the_step_first_then_the_announcement_registers_one_hold(pair):
+    p, d, port = pair
+    p.start_load_kv(PullMetadata(send={"r": ([2], 0.05)}))
+    _sent_once(p, "r")  # expired unread and reported
+    assert not p.announce("r", [2], 30.0, age_s=0.0)  # late: it finished lately, not held again
+    assert p.held_count() == 0
+    assert not p.announce("old", [2], 30.0, age_s=pull_worker.ANNOUNCE_MAX_AGE_S + 1)
+    assert p.held_count() == 0
+
+
+def test_free_before_the_announcement_is_not_lost(pair):
+    p, d, port = pair
+    assert free_remote("tok", "127.0.0.1", port, "early") == 1
+    assert p.announce("early", [5], 30.0, age_s=0.0)
+    _sent_once(p, "early")
+    p.start_load_kv(PullMetadata(send={"early": ([5], 30.0)}))
+    assert p.held_count() == 0
+
+
+def _hold_frame(**fields) -> dict:
+    return {"type": "HOLD", "request_id": "h", "blocks": [1], "ttl_s": 30.0, "at": time.time(), **fields}
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (_hold_frame(blocks=[99]), "block ids"), (_hold_frame(blocks="1"), "block ids"),
+    (_hold_frame(ttl_s=float("nan")), "non-negative"), (_hold_frame(at=None), "non-negative"),
+    (_hold_frame(ttl_s=True), "non-negative")])
+def test_malformed_announcement_is_refused(pair, bad, reason):
+    p, d, port = pair
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        frames.send_frame(s, {"type": "HELLO", "token": "tok"})
+        assert frames.read_frame(s, 0)["type"] == "OK"
+        frames.send_frame(s, bad)
+        assert reason in frames.read_frame(s, 0)["reason"]
+    assert p.held_count() == 0
+
+
+def test_announcement_from_another_host_is_refused(pair):
+    """HOLD lets a caller name any blocks: only P's own scheduler, on this host, may send it."""
+    p, d, port = pair
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a TCP pair; the peer address is made up
+        ours = socket.create_connection(listener.getsockname(), timeout=5)
+        theirs, _ = listener.accept()
+    try:
+        ours.settimeout(5)
+        frames.send_frame(ours, {"type": "HELLO", "token": "tok"})
+        frames.send_frame(ours, _hold_frame())
+        p.server._slots.acquire()  # as the accept loop does before _serve
+        threading.Thread(target=p.server._serve, args=(theirs, ("192.0.2.7", 40000)), daemon=True).start()
+        assert frames.read_frame(ours, 0)["type"] == "OK"
+        assert "this host only" in frames.read_frame(ours, 0)["reason"]
+    finally:
+        ours.close()
+    assert p.held_count() == 0
+
+
+def test_planner_announces_a_finished_prefill_to_every_rank(monkeypatch):
+    """P's scheduler side end to end: request_finished sends HOLD to the side channel of each
+    of its TP ranks (base port + rank), whose workers then serve a READ with no step at all."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setenv("ASCENDSERVE_CLUSTER_TOKEN", "tok")
+    base = free_port_run(2, derived=False)  # rank r's side channel listens on base + r
+    ranks = []
+    for rank in range(2):
+        w = PullWorker(PullSettings("127.0.0.1", "127.0.0.1", base, 30.0), "tok", tp_rank=rank, producer=True,
+                       hold_wait_s=0.2, tp_size=2)
+        w.register_kv_caches(caches(rank))
+        ranks.append(w)
+    planner = PullPlanner(PullSettings("127.0.0.1", "127.0.0.1", base, 30.0), "engine", tp_size=2)
+    try:
+        request = SimpleNamespace(request_id="fin", kv_transfer_params={"do_remote_decode": True},
+                                  status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=20)
+        delay, params = planner.request_finished(request, [2, 3])
+        assert delay and params["remote_port"] == base
+        for w in ranks:
+            wait_for = time.monotonic() + 10
+            while w.held_count() == 0 and time.monotonic() < wait_for:
+                time.sleep(0.01)
+            assert w.held_count() == 1, f"rank {w.tp_rank} never heard of the hold"
+        assert planner.announcer.sent == 2
+    finally:
+        planner.shutdown()
+        for w in ranks:
+            w.shutdown()

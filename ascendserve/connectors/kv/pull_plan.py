@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 
+from ascendserve.config import environ
+from ascendserve.connectors.kv.hold_announcer import HoldAnnouncer, local_host
+
 
 @dataclass
 class PullSettings:
@@ -63,11 +66,16 @@ def _flat_blocks(remote) -> list[int]:
 
 
 class PullPlanner:
-    def __init__(self, settings: PullSettings, engine_id: str, tp_size: int, block_size: int = 0):
+    def __init__(self, settings: PullSettings, engine_id: str, tp_size: int, block_size: int = 0,
+                 announce: bool = True):
         self.settings, self.engine_id, self.tp_size = settings, engine_id, tp_size
         self._recv: list[RecvPlan] = []
         self._send: dict[str, tuple[list[int], float]] = {}
         self._free: list[tuple[str, int, str]] = []
+        # P: holds reach this host's workers at once, not only with the next step
+        # (hold_announcer.py); started with the first hold, so D never runs one
+        self._announce = announce and bool(settings.port)
+        self.announcer: HoldAnnouncer | None = None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -100,6 +108,11 @@ class PullPlanner:
             if not done or not block_ids:
                 return False, None
             self._send[request.request_id] = (list(block_ids), self.settings.ttl_s)
+            if self._announce:
+                if self.announcer is None:
+                    self.announcer = HoldAnnouncer(local_host(self.settings.bind_host), self.settings.port,
+                                                   self.tp_size, environ().get("ASCENDSERVE_CLUSTER_TOKEN", ""))
+                self.announcer.announce(request.request_id, block_ids, self.settings.ttl_s)
             return True, {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
                 "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
@@ -111,3 +124,7 @@ class PullPlanner:
             self._free.append((str(params["remote_host"]), int(params["remote_port"]),
                                str(params["remote_request_id"])))
         return False, None
+
+    def shutdown(self) -> None:
+        if self.announcer is not None:
+            self.announcer.close()

@@ -2,7 +2,12 @@
 
 P: serves the pages of held requests on its side channel (port + TP rank)
    and reports a request as finished sending when D frees it or its
-   deadline passes; a read in progress postpones the deadline.
+   deadline passes; a read in progress postpones the deadline. A hold is
+   registered by whichever comes first: P's scheduler announcing it on the
+   side channel the moment the request finished (HOLD, hold_announcer.py),
+   or the next engine step's metadata, which under vLLM's async scheduling
+   runs only after the step already queued (a long prefill: seconds). The
+   second arrival is a no-op.
 D: pulls each planned request in a background thread into the blocks the
    scheduler reserved (untouched by the model until the request is
    re-admitted), frees P, and reports it received; any failure is reported
@@ -14,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import structlog
@@ -29,6 +35,13 @@ from ascendserve.connectors.transport.threads import unpin_current_thread
 
 log = structlog.get_logger("ascendserve.kv.pull")
 HOLD_WAIT_S = 30.0
+# An announced hold older than this is not taken (the step's metadata registers it instead):
+# a late HOLD must never bring back a hold that was already freed and reported.
+ANNOUNCE_MAX_AGE_S = 5.0
+# How long a finished hold is remembered, so that a late announcement of it is ignored
+# (well beyond ANNOUNCE_MAX_AGE_S); at most DONE_MEMORY of them.
+DONE_REMEMBER_S = 60.0
+DONE_MEMORY = 65536
 TRANSFER_THREADS = 4
 # An idle engine step (nothing scheduled, only transfers pending) waits this
 # long for one to finish. Without it a prefill holding blocks, or a decode
@@ -62,6 +75,10 @@ class PullWorker:
         # FREE for a hold this worker has not registered yet (P answers the HTTP request
         # before its next engine step registers the hold; the proxy may free at once)
         self._early_frees: dict[str, float] = {}
+        # holds registered by an announcement whose step metadata has not come yet (it will:
+        # the scheduler queued it when it announced), and holds finished lately (id -> when)
+        self._announced: set[str] = set()
+        self._done: OrderedDict[str, float] = OrderedDict()
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._failed: set[str] = set()
@@ -154,15 +171,34 @@ class PullWorker:
                 held.deadline = 0.0  # reported at the next step, once no read is in flight
                 self._changed.notify_all()
 
+    def announce(self, request_id: str, block_ids: list[int], ttl_s: float, age_s: float) -> bool:
+        """P's scheduler holds `block_ids` of a finished request for D (HOLD on the side
+        channel, sent `age_s` ago): register the hold now rather than at the next step.
+        Ignored when the step already registered it, it finished lately, or it is old."""
+        with self._lock:
+            if age_s > ANNOUNCE_MAX_AGE_S or request_id in self._held or request_id in self._done:
+                return False
+            self._register(request_id, block_ids, ttl_s, time.monotonic())
+            self._announced.add(request_id)
+            self._registered.notify_all()
+        log.debug("KV hold announced", request=request_id, blocks=len(block_ids))
+        return True
+
+    def _register(self, request_id: str, blocks, ttl_s: float, now: float) -> None:
+        held = self._held[request_id] = _Held(frozenset(blocks), now + ttl_s)
+        if self._early_frees.pop(request_id, None) is not None:
+            held.freed, held.deadline = True, 0.0
+
     # ---- per step --------------------------------------------------------
     def start_load_kv(self, meta: PullMetadata) -> None:
         now = time.monotonic()
         self._idle_step = meta.idle
         with self._lock:
             for request_id, (blocks, ttl_s) in meta.send.items():
-                held = self._held[request_id] = _Held(frozenset(blocks), now + ttl_s)
-                if self._early_frees.pop(request_id, None) is not None:
-                    held.freed, held.deadline = True, 0.0
+                if request_id in self._announced:  # registered already (and maybe finished since)
+                    self._announced.discard(request_id)
+                    continue
+                self._register(request_id, blocks, ttl_s, now)
                 log.debug("KV held for decode", request=request_id, blocks=len(blocks), ttl_s=ttl_s)
             for request_id in [r for r, until in self._early_frees.items() if until <= now]:
                 del self._early_frees[request_id]
@@ -185,6 +221,10 @@ class PullWorker:
                     self.stats.expired()
                 del self._held[request_id]
                 self._sent.add(request_id)
+                self._done[request_id] = now
+        while self._done and (len(self._done) > DONE_MEMORY
+                              or next(iter(self._done.values())) < now - DONE_REMEMBER_S):
+            self._done.popitem(last=False)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         with self._lock:

@@ -253,6 +253,9 @@ class PushWorker:
     def free(self, request_id: str) -> None:
         return None
 
+    def announce(self, request_id: str, block_ids: list[int], ttl_s: float, age_s: float) -> bool:
+        return False
+
     def check(self, request_id: str, block_ids: list[int]) -> None:
         """Before a layer lands: the request waits for pushed KV in exactly these blocks."""
         with self._lock:

@@ -81,6 +81,10 @@ class Holds(Protocol):
     def free(self, request_id: str) -> None:
         """The consumer is done with `request_id`."""
 
+    def announce(self, request_id: str, block_ids: list[int], ttl_s: float, age_s: float) -> bool:
+        """The producer's scheduler holds `block_ids` of `request_id` for `ttl_s` (said
+        `age_s` ago), before the engine's next step registers it; True if taken now."""
+
 
 class PushSink(Protocol):
     """D in push mode: where pushed layers land. Called from transport threads."""

@@ -3,11 +3,14 @@
     D -> HELLO {token, transport, layout}   P -> OK {transport's offer} | ERR {reason}, close
     D -> READ {request_id, blocks}          P -> the transport's answer (DATA, SHM, GRANT) | ERR
     D -> FREE {request_id}                  P -> OK
+    P's scheduler -> HOLD {request_id, blocks, ttl_s, at}   (no answer; from this host only)
 Push mode runs the other way on the same protocol (P connects to D):
     P -> PUSH {request_id, layer, blocks} + one layer's pages     (no answer)
     P -> PUSHED {request_id, ok}            D -> OK
 A HELLO without a layout opens a control session that may only FREE (the
-proxy uses it to release a hold whose client went away). The cluster token
+proxy uses it to release a hold whose client went away) or HOLD (P's
+scheduler announcing a hold the moment its request finished, before the
+engine's next step tells the worker; kv/hold_announcer.py). The cluster token
 is compared in constant time; every refusal is logged and the connection
 closed, and the server keeps serving. Frames are msgpack (protocol/frames.py).
 """
@@ -15,8 +18,10 @@ closed, and the server keeps serving. Frames are msgpack (protocol/frames.py).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import socket
 import threading
+import time
 
 import structlog
 
@@ -38,6 +43,14 @@ def _drain(conn: socket.socket, n: int) -> None:
         if got == 0:
             raise ConnectionError("peer closed the connection")
         n -= got
+
+
+def _same_host(conn: socket.socket, peer) -> bool:
+    """Whether the peer of `conn` is this host: loopback, or our own address."""
+    try:
+        return ipaddress.ip_address(peer[0]).is_loopback or peer[0] == conn.getsockname()[0]
+    except (ValueError, OSError):
+        return False
 
 
 def _tune(sock: socket.socket) -> None:
@@ -142,6 +155,19 @@ class ChannelServer:
                 send_frame(conn, {"type": "ACK"})
         return None
 
+    def _take_hold(self, conn: socket.socket, peer, request_id: str, msg: dict) -> str | None:
+        """P's scheduler announces a hold (one-way): only from this host, well-formed."""
+        if not _same_host(conn, peer):
+            return "HOLD is taken from this host only"
+        blocks, ttl_s, at = msg.get("blocks"), msg.get("ttl_s"), msg.get("at")
+        if not isinstance(blocks, list) or len(blocks) > self.pages.num_blocks \
+                or not all(type(b) is int and 0 <= b < self.pages.num_blocks for b in blocks):
+            return f"HOLD blocks must be a list of at most {self.pages.num_blocks} block ids"
+        if not all(type(v) in (int, float) and 0 <= v < 1e12 for v in (ttl_s, at)):
+            return "HOLD needs ttl_s and at (seconds) as non-negative numbers"
+        self.holds.announce(request_id, blocks, float(ttl_s), time.time() - float(at))
+        return None
+
     def _reject(self, conn: socket.socket, peer, reason: str) -> None:
         self.rejected += 1
         log.warning("KV side channel rejected a connection", peer=peer[0], reason=reason)
@@ -215,6 +241,10 @@ class ChannelServer:
                 elif kind == "FREE":
                     self.holds.free(request_id)
                     send_frame(conn, {"type": "OK"})
+                elif kind == "HOLD":
+                    problem = self._take_hold(conn, peer, request_id, msg)
+                    if problem:
+                        return self._reject(conn, peer, problem)
                 else:
                     return self._reject(conn, peer, f"unknown message type {kind!r}")
         except FrameError as exc:
