@@ -7,7 +7,7 @@ tree (DIR/bin/ascendserve, ./build.sh's output) next to the venv.
 
 Ready = /v1/models answers 200. Besides the roles as they start by default:
 "worker spawned" is the same pd with ASCENDSERVE_WORKER_START=spawn (before
-engine/patches/worker_fork.py), "engine core and worker spawned" adds
+engine/patches/worker_fork.py; "TP=2, ranks spawned" the same for a two-rank pd), "engine core and worker spawned" adds
 ASCENDSERVE_ENGINE_CORE_START=spawn (vLLM's CPU start, before core_fork.py); the untuned pd (no
 --enforce-eager: vLLM compiles) starts twice on a compile cache of its own,
 empty at the first start (vLLM 0.32 under torch 2.13 cannot load what it
@@ -107,6 +107,11 @@ def main() -> None:
                 "pd", models["text"], logs, name="pd-untuned", tuned=False, env={"VLLM_CACHE_ROOT": compile_cache()}),
             "pd (text, untuned), its graph saved": lambda: ascendserve(
                 "pd", models["text"], logs, name="pd-untuned-again", tuned=False, env={"VLLM_CACHE_ROOT": str(cache)}),
+            "pd (text, TP=2)": lambda: ascendserve("pd", models["text"], logs, "--tensor-parallel-size", "2",
+                                                   name="pd-tp2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+            "pd (text, TP=2), ranks spawned": lambda: ascendserve(
+                "pd", models["text"], logs, "--tensor-parallel-size", "2", name="pd-tp2-spawn",
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "ASCENDSERVE_WORKER_START": "spawn"}),
             "prefill (text)": lambda: ascendserve("prefill", models["text"], logs, "--kv-path", str(root / "kv")),
             "decode (text)": lambda: ascendserve("decode", models["text"], logs, "--kv-path", str(root / "kv")),
             "plain vLLM (vl, peer)": lambda: plain_vllm(models["vl"], logs, name="vllm-vl"),

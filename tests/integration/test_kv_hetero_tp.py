@@ -9,6 +9,7 @@ equal plain vLLM's (TP=1) and both P ranks must release their blocks.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -46,3 +47,24 @@ def test_both_prefill_ranks_release_their_blocks(tp_cluster):
     c = tp_cluster
     wait_for(lambda: kv_usage(c["prefill"]) == 0.0 and kv_usage(c["decode"]) == 0.0, 30,
              "KV blocks still allocated after the requests finished")
+
+
+def test_prefill_tp_ranks_are_forked_and_bound_one_core_each(tp_cluster):
+    """engine/patches/worker_fork.py forks TP ranks too: each P rank is a fork of the engine core
+    (same heap start: it did not import torch and vLLM again), bound to its own core."""
+    from tests.integration.test_pd_role import _heap_start
+
+    with open("/proc/sys/kernel/randomize_va_space") as f:
+        if f.read().strip() == "0":
+            pytest.skip("address space randomization is off: a fork and an exec look alike")
+    children = tp_cluster["prefill"].descendants()
+    cores = [p for p in children if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    ranks = [p for p in children if "Worker" in p.name() + " ".join(p.cmdline())]
+    assert len(cores) == 1 and len(ranks) == 2, [(p.pid, p.name(), p.cmdline()) for p in children]
+    for rank in ranks:
+        assert rank.ppid() == cores[0].pid and _heap_start(rank) == _heap_start(cores[0]), \
+            f"TP rank {rank.pid} was spawned, not forked"
+    # VLLM_CPU_OMP_THREADS_BIND=0|1: rank r computes on core r (its main thread; the KV transfer
+    # threads widen their own mask on purpose: connectors/transport/threads.py)
+    assert sorted(os.sched_getaffinity(r.pid) for r in ranks) == [{0}, {1}]
+    assert "workers spawned, not forked" not in tp_cluster["prefill"].log_text()

@@ -163,10 +163,6 @@ def _why_not(environ=os.environ) -> str | None:
     """Why this engine core must spawn its workers after all; None when a fork is safe."""
     if "--numa-bind" in sys.argv:
         return "--numa-bind re-executes each worker"
-    if int(environ.get("LOCAL_WORLD_SIZE") or 1) > 1:  # vLLM's CPU platform sets it to the TP size
-        # not a known fault of the fork: its one CI run had the TP=2 -> TP=1 pull stall (README,
-        # known problems) fail both MLA checks, and one run cannot tell; spawned until it is known
-        return "tensor parallelism: ranks are spawned until the TP=2 pull stall is understood"
     if any(lib in environ.get("LD_PRELOAD", "") for lib in ("libiomp", "libomp.")):
         return "Intel/LLVM OpenMP binds through KMP_AFFINITY at load"
     if missing := preload_missing(environ):
