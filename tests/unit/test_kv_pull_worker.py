@@ -336,3 +336,30 @@ def test_planner_announces_a_finished_prefill_to_every_rank(monkeypatch):
         planner.shutdown()
         for w in ranks:
             w.shutdown()
+
+
+def test_a_refused_announcer_backs_off_instead_of_reconnecting_per_hold(pair):
+    """A rank that refuses HOLD (here: blocks it does not have) is named once in the log and left
+    alone for a minute; the steps register the holds meanwhile."""
+    p, d, port = pair
+    announcer = HoldAnnouncer("127.0.0.1", port, 1, "tok")
+
+    def settled(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while announcer.sent + announcer.dropped < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert announcer.sent + announcer.dropped == n
+
+    try:
+        announcer.announce("r0", [999], 30.0)
+        settled(1)
+        import select
+
+        assert select.select([announcer._socks[0]], [], [], 10)[0]  # P's ERR has arrived
+        for i in range(1, 4):
+            announcer.announce(f"r{i}", [1], 30.0)
+        settled(4)
+        assert (announcer.sent, announcer.dropped) == (1, 3) and p.server.rejected == 1
+        assert p.held_count() == 0
+    finally:
+        announcer.close()

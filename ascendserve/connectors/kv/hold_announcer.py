@@ -30,6 +30,7 @@ from ascendserve.protocol.frames import FrameError, read_frame, send_frame
 log = structlog.get_logger("ascendserve.kv.hold")
 MAX_QUEUED = 4096  # beyond it announcements are dropped (the step registers them)
 RETRY_S = 1.0  # after a rank could not be reached, skip it this long
+REFUSED_RETRY_S = 60.0  # after a rank refused a HOLD (it names why, once), skip it this long
 IO_TIMEOUT_S = 2.0
 
 
@@ -38,13 +39,21 @@ def local_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
-def _closed(sock: socket.socket) -> bool:
-    """The server never answers a HOLD: anything readable is its close (idle timeout) or a refusal."""
+def _closed(sock: socket.socket) -> tuple[bool, str | None]:
+    """(closed, why refused). The server never answers a HOLD: anything readable is its close
+    (idle timeout: no reason) or a refusal (an ERR frame naming why)."""
     try:
         readable, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
-        return True
-    return bool(readable)
+        return True, None
+    if not readable:
+        return False, None
+    try:
+        sock.settimeout(0.1)
+        answer = read_frame(sock, 0)
+    except (OSError, FrameError):
+        return True, None
+    return True, str(answer.get("reason")) if answer.get("type") == "ERR" else None
 
 
 class HoldAnnouncer:
@@ -81,10 +90,16 @@ class HoldAnnouncer:
 
     def _send(self, rank: int, msg: dict) -> None:
         sock = self._socks.get(rank)
-        if sock is not None and _closed(sock):
-            sock.close()
-            self._socks.pop(rank, None)
-            sock = None
+        if sock is not None:
+            closed, refused = _closed(sock)
+            if closed:
+                sock.close()
+                self._socks.pop(rank, None)
+                sock = None
+            if refused:
+                self._down_until[rank] = time.monotonic() + REFUSED_RETRY_S
+                log.warning("KV hold announcements refused by the side channel; the engine's steps register "
+                            "the holds instead", peer=f"{self.host}:{self.port + rank}", reason=refused)
         if sock is None:
             sock = self._connect(rank)
             if sock is None:
