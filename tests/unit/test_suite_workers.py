@@ -253,3 +253,36 @@ def test_the_reaper_stops_an_engine_group_when_the_session_dies(tmp_path):
         for p in (session, engine, reaper):
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a process its default niceness back needs root")
+def test_a_process_starts_niced_and_every_thread_gets_the_default_once_it_serves(tmp_path):
+    """tests/procs.START_NICE: a Proc starts niced (start-ups yield to serving engines), and
+    wait_ready gives every thread of its tree the default back, threads started while niced
+    and a child's included (Linux's nice is per thread)."""
+    from tests.procs import START_NICE, renice_tree
+
+    code = ("import http.server, subprocess, sys, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)"
+            ".serve_forever()\n")
+    port = ports.free_port()
+    proc = Proc("niced", [sys.executable, "-c", code, str(port)], port, tmp_path / "niced.log", ready_path="/")
+    proc.start()
+    try:
+        def nices() -> list[int]:
+            import psutil
+
+            tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+            return [os.getpriority(os.PRIO_PROCESS, int(t)) for p in tree for t in os.listdir(f"/proc/{p}/task")]
+
+        deadline = time.monotonic() + 10
+        while len(nices()) < 3 and time.monotonic() < deadline:  # main and sleeper thread, the child
+            time.sleep(0.05)
+        assert set(nices()) == {START_NICE}
+        proc.wait_ready(timeout=30)
+        assert set(nices()) == {0} and len(nices()) >= 3
+        assert renice_tree(proc.pid, 0) >= 3
+    finally:
+        proc.stop(timeout=5)
