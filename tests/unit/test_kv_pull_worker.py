@@ -363,3 +363,23 @@ def test_a_refused_announcer_backs_off_instead_of_reconnecting_per_hold(pair):
         assert p.held_count() == 0
     finally:
         announcer.close()
+
+
+def test_a_socket_past_fd_setsize_is_not_taken_for_closed():
+    """The announcer checks its connection with poll(), not select(): an engine core may hold
+    more than 1,024 descriptors, and select() refuses those (it would reconnect for every hold)."""
+    import resource
+
+    from ascendserve.connectors.kv.hold_announcer import _closed
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 1500:
+        pytest.skip("open files limit too low for a descriptor past FD_SETSIZE")
+    a, b = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(a.fileno(), 1500))
+    try:
+        assert _closed(high) == (False, None)
+        b.close()
+        assert _closed(high) == (True, None)
+    finally:
+        high.close()
+        a.close()

@@ -42,11 +42,13 @@ def local_host(bind_host: str) -> str:
 def _closed(sock: socket.socket) -> tuple[bool, str | None]:
     """(closed, why refused). The server never answers a HOLD: anything readable is its close
     (idle timeout: no reason) or a refusal (an ERR frame naming why)."""
+    poller = select.poll()  # not select.select: an engine core may hold descriptors past FD_SETSIZE
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        poller.register(sock, select.POLLIN)
+        ready = poller.poll(0)
     except (OSError, ValueError):
         return True, None
-    if not readable:
+    if not ready:
         return False, None
     try:
         sock.settimeout(0.1)
