@@ -226,8 +226,7 @@ def _sent_once(p, request_id: str, seconds: float = 0.3) -> None:
 def test_announced_hold_is_read_before_any_step_registers_it(pair):
     """Under async scheduling P's next step may run only after a long prefill: D's READ must not
     wait for it. The step's metadata arriving later registers nothing a second time."""
-    p, d, port = pair
-    p.hold_wait_s = 0.2  # a READ that found no hold would fail fast: it must not need the wait
+    p, d, port = pair  # no step registers "req-p" before D reads it: only the announcement can
     announcer = HoldAnnouncer("127.0.0.1", port, 1, "tok")
     try:
         announcer.announce("req-p", [3, 4], 30.0)
