@@ -89,6 +89,9 @@ class KVConfig(_Section):
     transport: Literal["tcp", "shm", "mooncake"] = "tcp"
     port: Annotated[int, Meta(ge=0, le=65535)] = 0  # side channel; 0 = server.port + 1000 (TP rank r: + r)
     ttl_s: Annotated[float, Meta(gt=0.0)] = 120.0  # P frees blocks D never pulled after this
+    # host buffers (pinned) of KV in device memory, per worker: two units of a read move
+    # at once, a layer split by blocks when it is larger than half of this
+    staging_mib: Annotated[int, Meta(ge=1, le=65536)] = 256
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
 

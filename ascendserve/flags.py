@@ -72,6 +72,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv-transport", "kv.transport", "how KV pages move: tcp | shm (same host) | mooncake", ("prefill", "decode")),
     Flag("--kv-port", "kv.port", "KV side-channel port (default server port + 1000)", ("prefill", "decode")),
     Flag("--kv-ttl", "kv.ttl_s", "seconds P holds KV blocks that D never pulls", ("prefill", "decode")),
+    Flag("--kv-staging-mib", "kv.staging_mib", "MiB of pinned host buffers per worker for KV in device memory", ("prefill", "decode")),
     Flag("--kv-load-failure-policy", "kv.load_failure_policy", "recompute | fail", ("prefill", "decode")),
     Flag("--ec-connector", "ec.connector", "encoder-cache connector: example | shm (same host) | store (cluster pool)", ("encoder", "prefill", "pd", "proxy")),
     Flag("--ec-store-backend", "ec.store_backend", "store connector backend: memcached | mooncake", ("encoder", "prefill", "pd")),

@@ -22,6 +22,9 @@ LAYERS = 11  # more than 10: name order (layers.10 before layers.2) differs from
 BLOCK = 16
 HEAD = 32
 HELD = [[3, 4, 5, 11], [0, 7, 7, 2], [9], [1, 2, 3, 4, 5, 6, 8, 10]]  # request i holds HELD[i]
+# staged pages' pool (kv/staging.py): a layer of a long read is several units (an 8 KiB page,
+# 4 to a unit; an MLA page alone), and a cross-layer block (88 KiB) is larger than the budget
+STAGING_BUDGET = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ def main(argv: list[str]) -> None:
         for staged in (False, True):  # host views, and the device path (staging) on the same memory
             base = free_port_run(case.p_tp, derived=False)
             for rank, desc in enumerate(ranks):
-                pages = PagedKV(rebuild(desc, producer_seed(case, rank)), NUM_BLOCKS, staging=staged)
+                pages = PagedKV(rebuild(desc, producer_seed(case, rank)), NUM_BLOCKS, staging=staged,
+                                staging_budget=STAGING_BUDGET)
                 server = ChannelServer("127.0.0.1", base + rank, holds, pages, "tok",
                                        {name: make_transport(name, pages) for name in ("tcp", "shm")})
                 server.start()

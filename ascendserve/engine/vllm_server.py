@@ -63,6 +63,7 @@ def kv_transfer_config(config: Config, kv_role: str) -> dict:
         "kv_load_failure_policy": kv.load_failure_policy,
         "kv_connector_extra_config": {"host": config.cluster.advertise_host, "bind_host": config.server.host,
                                       "port": kv.port, "ttl_s": kv.ttl_s, "transport": kv.transport,
+                                      "staging_mib": kv.staging_mib,
                                       "tls_ca": config.cluster.tls_ca},
     }
 

@@ -22,7 +22,8 @@ from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.transport import make_transport
 from ascendserve.connectors.transport.base import TransferError
 from ascendserve.connectors.transport.channel import ChannelClient
-from tests.kv_layouts import HELD, NUM_BLOCKS, Case, build, pages_of, producer_args, producer_seed
+from tests.kv_layouts import (HELD, NUM_BLOCKS, STAGING_BUDGET, Case, build, pages_of, producer_args,
+                              producer_seed)
 
 vllm_layouts = pytest.importorskip("vllm.v1.kv_cache_layout")
 LAYOUTS = [layout.name for layout in vllm_layouts.KVCacheLayout]  # whatever vLLM lists, not ours
@@ -64,7 +65,7 @@ class Consumer:
 
     def __init__(self, case: Case, transport: str, heads: int | None = None, staged: bool = False):
         self.views = build(case, seed=5, heads=heads)
-        self.kv = PagedKV(self.views, NUM_BLOCKS, staging=staged)
+        self.kv = PagedKV(self.views, NUM_BLOCKS, staging=staged, staging_budget=STAGING_BUDGET)
         self.transport = make_transport(transport, self.kv)
         self.client = ChannelClient("tok", self.kv, self.transport)
 
@@ -108,6 +109,7 @@ def test_pages_move_bit_exact_between_processes(producer, case, transport, path)
                 assert same(pages_of(d.views, lo, k), pages_of(expected, r, k)), (case, i, r, lo)
         for b in set(range(NUM_BLOCKS)) - written:  # nothing else of D's cache was touched
             assert same(pages_of(d.views, b, k), pages_of(untouched, b, k)), b
+        assert d.kv.staging.stats()["in_use"] == 0  # a staged read returns its buffers
     finally:
         d.close()
 

@@ -20,19 +20,25 @@ strides, never from a backend's shape:
   memory, and whole-page reads move it as one (`request_views`).
 
 Host memory is read in place (numpy views, the native copy ops, zero-copy socket
-buffers). Device memory (cuda, npu) is staged: torch index ops gather a layer's
-pages on the device and one copy brings them to a host buffer (the reverse on
-receive); `staging=True` runs that path on host memory, which is how CI covers it.
+buffers). Device memory (cuda, npu) is staged (kv/staging.py): on a side stream of
+the calling thread, a unit's pages are gathered on the device and copied to a
+pinned host buffer of a bounded pool (`copy_out`), or copied in and scattered
+(`copy_in`); the event each returns says when the copy is done, so a transport
+overlaps the next unit's copy with the current one's send. `staging=True` runs
+that path on host memory (synchronous, nothing pinned), which is how CI covers it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 
 import numpy as np
 import torch
 
 from ascendserve.connectors.kv import page_geometry
+from ascendserve.connectors.kv.staging import DEFAULT_BUDGET, StagingPool
 from ascendserve.ops import gather_pages, scatter_pages
 
 # vLLM's KVCacheLayout names, by the physical order of the logical axes
@@ -58,7 +64,7 @@ class PagedKV:
     hold kernel blocks (B = K * num_blocks); default: the views' first dimension."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None,
-                 staging: bool | None = None):
+                 staging: bool | None = None, staging_budget: int = DEFAULT_BUDGET):
         seen: set[int] = set()
         self.names: list[str] = []
         self.layers: list[torch.Tensor] = []
@@ -81,6 +87,9 @@ class PagedKV:
         # memory too, which is how CI runs the device code on CPU tensors
         self.staged = bool(staging) or self.device.type != "cpu"
         self.host_visible = not self.staged  # zero-copy views of the cache itself exist
+        # host buffers of staged reads: pinned for device memory, so its copies are asynchronous
+        self.staging = StagingPool(staging_budget, pin=self.device.type != "cpu")
+        self._streams = threading.local()  # a side stream per transfer thread (devices only)
         views = [_as_4d(t) for t in self.layers]
         shapes = {tuple(v.shape) for v in views}
         dtypes = {v.dtype for v in views}
@@ -213,9 +222,6 @@ class PagedKV:
         offset, shape, strides = self._view_spec(layer, heads)
         return torch.as_strided(self._flat[layer], shape, strides, offset)
 
-    def _index_t(self, block_ids) -> torch.Tensor:
-        return torch.from_numpy(self._index(block_ids)).to(self.device)
-
     # ---- copies ----------------------------------------------------------------
     def gather_layer(self, layer: int, block_ids: list[int]) -> np.ndarray:
         """A copy of one layer's pages: [len(block_ids), page_bytes]."""
@@ -228,8 +234,7 @@ class PagedKV:
         """`out`: [len(block_ids), bytes per page (or per head range)], each page's runs in
         memory order; `heads` = (first, count) takes only those heads of each page."""
         if self.staged:
-            view, idx = self._strided_t(layer, heads), self._index_t(block_ids)
-            torch.from_numpy(out).view(-1).copy_(view.index_select(0, idx).view(-1))
+            self.wait(self.copy_out(layer, block_ids, torch.from_numpy(out).view(-1), heads))
             return
         view, idx = self._strided(layer, heads), self._index(block_ids)
         if view.ndim == 2:  # one run per page: the native op
@@ -239,17 +244,67 @@ class PagedKV:
 
     def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray,
                       heads: tuple[int, int] | None = None) -> None:
-        if self.staged:
-            view, idx = self._strided_t(layer, heads), self._index_t(block_ids)
-            flat = np.require(src.reshape(-1), requirements="W")  # a read-only shm view: copied once
-            data = torch.from_numpy(flat).to(self.device).view((len(idx), *view.shape[1:]))
-            view[idx] = data
+        if self.staged:  # through a staging buffer: `src` may be read-only (shm) or pageable
+            n = src.nbytes
+            buf, = self.staging.acquire(n)
+            try:
+                np.copyto(buf.array[:n], src.reshape(-1))
+                self.wait(self.copy_in(layer, block_ids, buf.tensor[:n], heads))
+            finally:
+                self.staging.release(buf)
             return
         view, idx = self._strided(layer, heads), self._index(block_ids)
         if view.ndim == 2:
             scatter_pages(view, idx, src)
         else:
             view[idx] = src.reshape((len(idx), *view.shape[1:]))
+
+    # ---- staged copies (device memory; kv/staging.py pipelines them) ------------------
+    def _side(self) -> "_SideStream":
+        """This thread's side stream on the cache's device (host memory: copies in order)."""
+        side = getattr(self._streams, "side", None)
+        if side is None:
+            side = self._streams.side = _SideStream(self.device)
+        return side
+
+    def _unit_view(self, layer: int | None, heads: tuple[int, int] | None) -> torch.Tensor:
+        """Layer `layer`'s pages as [num_blocks, *runs] on the device, or with layer None
+        whole cross-layer blocks as [num_blocks, every layer's page bytes]."""
+        if layer is not None:
+            return self._strided_t(layer, heads)
+        if heads is not None or not self.whole_blocks():
+            raise ValueError("whole-block copies need whole pages of a cross-layer layout")
+        span = self.num_layers * self.page_bytes
+        return torch.as_strided(self._flat[0], (self.num_blocks, span), (self.block_stride, 1), min(self._offset))
+
+    def copy_out(self, layer: int | None, block_ids: list[int], host: torch.Tensor,
+                 heads: tuple[int, int] | None = None):
+        """Queue the copy of these pages (`_unit_view`) into `host` (uint8, exactly their
+        bytes, in transfer order): gathered on the device, then one copy to the host, after
+        what the engine queued before. Returns the event to `wait` for (None: done)."""
+        view, idx = self._unit_view(layer, heads), torch.from_numpy(self._index(block_ids))
+        side = self._side()
+        with side.after_engine():
+            ids = idx.to(self.device, non_blocking=True)
+            host.copy_(view.index_select(0, ids).view(-1), non_blocking=True)
+            return side.event()
+
+    def copy_in(self, layer: int | None, block_ids: list[int], host: torch.Tensor,
+                heads: tuple[int, int] | None = None):
+        """Queue `copy_out`'s reverse: `host`'s bytes copied to the device, then scattered
+        into these pages. `host` must stay untouched until the returned event is done."""
+        view, idx = self._unit_view(layer, heads), torch.from_numpy(self._index(block_ids))
+        side = self._side()
+        with side.queued():
+            ids = idx.to(self.device, non_blocking=True)
+            view[ids] = host.to(self.device, non_blocking=True).view((len(idx), *view.shape[1:]))
+            return side.event()
+
+    @staticmethod
+    def wait(event) -> None:
+        """Block until a staged copy is done (`copy_out` / `copy_in`'s event)."""
+        if event is not None:
+            event.synchronize()
 
     # ---- zero-copy views -----------------------------------------------------------
     def layer_views(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
@@ -293,6 +348,39 @@ class PagedKV:
         return {"bases": base, "order": self.page_order, "extent": {a: self._extent[a] for a in "khn"},
                 "stride": {a: self._stride[a] for a in "khn"}, "content": self._extent["c"],
                 "block_stride": self.block_stride}
+
+
+class _SideStream:
+    """Where one transfer thread queues its staged copies: a side stream of the device, so
+    they overlap the engine's work and the thread's own socket I/O. For host memory (CI's
+    staged runs) there is no stream and every copy is done when queued; the copy code
+    itself is the same."""
+
+    def __init__(self, device: torch.device):
+        self.stream = None if device.type == "cpu" else torch.Stream(device=device)
+        self.device = device
+
+    @contextlib.contextmanager
+    def queued(self):
+        if self.stream is None:
+            yield
+            return
+        with self.stream:
+            yield
+
+    @contextlib.contextmanager
+    def after_engine(self):
+        """`queued`, ordered after what the engine queued on its stream (P's pages are
+        written there; the transfer thread's current stream is the device's default)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with self.stream:
+            yield
+
+    def event(self):
+        return None if self.stream is None else self.stream.record_event()
 
 
 def _same_order(a: str, b: str, extents: dict[str, int]) -> bool:

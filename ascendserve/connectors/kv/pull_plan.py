@@ -30,12 +30,14 @@ class PullSettings:
     ttl_s: float
     transport: str = "tcp"
     tls_ca: str = ""  # push: CA bundle for an https metaserver callback
+    staging_mib: int = 256  # host staging buffers of device KV (kv/staging.py)
 
     @classmethod
     def from_extra(cls, extra: dict) -> "PullSettings":
         return cls(host=str(extra.get("host", "127.0.0.1")), bind_host=str(extra.get("bind_host", "127.0.0.1")),
                    port=int(extra["port"]), ttl_s=float(extra.get("ttl_s", 120.0)),
-                   transport=str(extra.get("transport", "tcp")), tls_ca=str(extra.get("tls_ca", "")))
+                   transport=str(extra.get("transport", "tcp")), tls_ca=str(extra.get("tls_ca", "")),
+                   staging_mib=int(extra.get("staging_mib", 256)))
 
 
 @dataclass

@@ -92,7 +92,7 @@ class PullWorker:
 
     # ---- set-up ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, num_blocks: int | None = None) -> None:
-        self.kv = PagedKV(kv_caches, num_blocks)
+        self.kv = PagedKV(kv_caches, num_blocks, staging_budget=self.settings.staging_mib << 20)
         mine = make_transport(self.settings.transport, self.kv, self.settings.host)
         self._transports.append(mine)
         self.client = ChannelClient(self.token, self.kv, mine)
@@ -124,6 +124,8 @@ class PullWorker:
             self.client.close()
         for transport in self._transports:
             transport.close()
+        if self.kv is not None:
+            self.kv.staging.close()
 
     def _run_jobs(self) -> None:
         unpin_current_thread()

@@ -216,7 +216,7 @@ class PushWorker:
 
     # ---- set-up ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, num_blocks: int | None = None) -> None:
-        self.kv = PagedKV(kv_caches, num_blocks)
+        self.kv = PagedKV(kv_caches, num_blocks, staging_budget=self.settings.staging_mib << 20)
         self._layers = self.kv.layer_index()
         transport = self.settings.transport
         if transport == "mooncake":
@@ -242,6 +242,8 @@ class PushWorker:
         for transport in (self.shm, self.mooncake):
             if transport is not None:
                 transport.close()
+        if self.kv is not None:
+            self.kv.staging.close()
 
     # ---- D: Holds (nothing to read in push mode) and PushSink -------------
     def acquire(self, request_id: str, block_ids: list[int]) -> None:

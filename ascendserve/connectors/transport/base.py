@@ -50,6 +50,16 @@ class Pages(Protocol):
     def scatter_layer(self, layer: int, block_ids: list[int], src: np.ndarray,
                       heads: tuple[int, int] | None = None) -> None: ...
 
+    # staged pages (host_visible False): kv/staging.py moves them through `staging`, a
+    # bounded pool of host buffers, with copies that return an event to `wait` for
+    staging: object
+
+    def copy_out(self, layer: int | None, block_ids: list[int], host, heads=None): ...
+
+    def copy_in(self, layer: int | None, block_ids: list[int], host, heads=None): ...
+
+    def wait(self, event) -> None: ...
+
     def layer_views(self, layer: int, block_ids: list[int],
                     heads: tuple[int, int] | None = None) -> list[memoryview]: ...
 
@@ -102,6 +112,10 @@ class PushSink(Protocol):
 
 class Transport(ABC):
     name: str
+    # Device types whose memory this transport moves itself (a transfer engine that registers
+    # device memory). Pages in any other device's memory are staged through host buffers
+    # (tcp, shm: kv/staging.py), or refused where the transport only moves registered memory.
+    device_memory: frozenset[str] = frozenset()
 
     def offer(self) -> dict:
         """Extra fields of the producer's handshake answer."""

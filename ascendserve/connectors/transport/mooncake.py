@@ -52,6 +52,40 @@ def segments(remote: dict, local: dict, remote_blocks: list[int], local_blocks: 
     return dst, src, lengths
 
 
+# Which memory each Mooncake build registers besides host memory, by its distribution name:
+# the CUDA build (mooncake-transfer-engine) registers CUDA memory; the non-CUDA one host only.
+# Ascend builds (from source, USE_ASCEND*) are told with ASCENDSERVE_MOONCAKE_DEVICE_MEMORY.
+BUILD_DEVICE_MEMORY = {"mooncake-transfer-engine": frozenset({"cuda"}),
+                       "mooncake-transfer-engine-non-cuda": frozenset()}
+
+
+def build_device_memory(dists: list[str] | None = None, override: str | None = None) -> frozenset[str]:
+    """Device types the installed Mooncake build moves itself. `override`, default
+    $ASCENDSERVE_MOONCAKE_DEVICE_MEMORY: a comma-separated list ("cuda", "npu", "none")."""
+    override = os.environ.get("ASCENDSERVE_MOONCAKE_DEVICE_MEMORY") if override is None else override
+    if override is not None and override.strip():
+        return frozenset(x.strip() for x in override.split(",") if x.strip() not in ("", "none"))
+    if dists is None:
+        from importlib.metadata import packages_distributions
+
+        dists = packages_distributions().get("mooncake", [])
+    out: frozenset[str] = frozenset()
+    for dist in dists:
+        out |= BUILD_DEVICE_MEMORY.get(dist.lower().replace("_", "-"), frozenset())
+    return out
+
+
+def check_pages_memory(device_type: str, host_visible: bool, supported: frozenset[str], build: str) -> None:
+    """Refuse pages this Mooncake build cannot read or write where they are (device memory
+    of a type it does not register), naming what would work instead."""
+    if host_visible or device_type == "cpu" or device_type in supported:
+        return
+    raise TransferError(f"the mooncake transport cannot move KV in {device_type} memory with {build} "
+                        f"(it registers {', '.join(sorted(supported)) or 'host memory only'}): use transport "
+                        "tcp or shm, which stage device KV through pinned host buffers, or a Mooncake build "
+                        f"for {device_type} (set ASCENDSERVE_MOONCAKE_DEVICE_MEMORY={device_type} if yours is one)")
+
+
 class MooncakeTransport(Transport):
     name = "mooncake"
 
@@ -62,6 +96,13 @@ class MooncakeTransport(Transport):
         except ImportError as exc:
             raise TransferError("the mooncake transport needs mooncake-transfer-engine "
                                 f"(pip install mooncake-transfer-engine-non-cuda): {exc}") from None
+        from importlib.metadata import packages_distributions
+
+        dists = packages_distributions().get("mooncake", [])
+        self.device_memory = build_device_memory(dists)
+        device_type = getattr(getattr(pages, "device", None), "type", "cpu")
+        check_pages_memory(device_type, pages.host_visible, self.device_memory,
+                           ", ".join(dists) or "this Mooncake build")
         self.engine = TransferEngine()
         if self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device) != 0:
             raise TransferError(f"Mooncake TransferEngine failed to initialize on {hostname} ({protocol})")

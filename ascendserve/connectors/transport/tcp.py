@@ -5,8 +5,9 @@ cache with scatter-gather sends (sendmsg over the pages' runs, layer-major, or
 block-major whole blocks of a cross-layer layout: PagedKV.request_views), D
 receives them straight into its own pages with recvmsg_into. The kernel's
 copies are the only ones; no per-block round trip. Pages with no host views
-(device memory) go through one host buffer per layer (`send_staged`,
-`recv_staged`), in the same byte order.
+(device memory) are staged through a bounded pool of host buffers, the next
+unit's device copy overlapping the current unit's send (`send_staged`,
+`recv_staged`, kv/staging.py), in the same byte order.
 """
 
 from __future__ import annotations
@@ -46,44 +47,20 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     _vectored(lambda batch: sock.recvmsg_into(batch)[0], views)
 
 
-def _block_major(pages: Pages, heads) -> bool:
-    """A read moves whole cross-layer blocks (request_views' order) rather than layer by layer."""
-    return heads is None and pages.whole_blocks()
-
-
 def send_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: tuple[int, int] | None) -> None:
-    """Pages with no host views (device memory): each layer gathered into one host buffer
-    (bounded: one layer of the read), sent in request_views' order."""
-    import numpy as np
+    """Pages with no host views (device memory): staged unit by unit through the pages' pool
+    (kv/staging.py: the next unit is copied off the device while this one is sent), in
+    request_views' byte order."""
+    from ascendserve.connectors.kv.staging import send_units  # torch: only where pages are
 
-    per_page = pages.page_bytes if heads is None else heads[1] * pages.head_bytes
-    if _block_major(pages, heads):
-        buf = np.empty((pages.num_layers, len(block_ids), per_page), dtype=np.uint8)
-        for i, layer in enumerate(pages.memory_order):  # a block's pages in memory order
-            pages.gather_layer_into(layer, block_ids, buf[i], heads)
-        send_views(sock, [memoryview(np.ascontiguousarray(buf.transpose(1, 0, 2))).cast("B")])
-        return
-    buf = np.empty((len(block_ids), per_page), dtype=np.uint8)
-    for layer in range(pages.num_layers):
-        pages.gather_layer_into(layer, block_ids, buf, heads)
-        send_views(sock, [memoryview(buf).cast("B")])
+    send_units(lambda view: send_views(sock, [view]), pages, block_ids, heads)
 
 
 def recv_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: tuple[int, int] | None) -> None:
-    """send_staged's mirror: each layer received into a host buffer, then scattered."""
-    import numpy as np
+    """send_staged's mirror: each unit received into a staging buffer, then copied in."""
+    from ascendserve.connectors.kv.staging import recv_units
 
-    per_page = pages.page_bytes if heads is None else heads[1] * pages.head_bytes
-    if _block_major(pages, heads):
-        buf = np.empty((len(block_ids), pages.num_layers, per_page), dtype=np.uint8)
-        recv_views(sock, [memoryview(buf).cast("B")])
-        for i, layer in enumerate(pages.memory_order):
-            pages.scatter_layer(layer, block_ids, np.ascontiguousarray(buf[:, i]), heads)
-        return
-    buf = np.empty((len(block_ids), per_page), dtype=np.uint8)
-    for layer in range(pages.num_layers):
-        recv_views(sock, [memoryview(buf).cast("B")])
-        pages.scatter_layer(layer, block_ids, buf, heads)
+    recv_units(lambda view: recv_views(sock, [view]), pages, block_ids, heads)
 
 
 class TcpTransport(Transport):
