@@ -35,11 +35,15 @@ import hashlib
 import threading
 
 import numpy as np
+import structlog
 import torch
 
+from ascendserve import ops
 from ascendserve.connectors.kv import page_geometry
 from ascendserve.connectors.kv.staging import DEFAULT_BUDGET, StagingPool
 from ascendserve.ops import gather_pages, scatter_pages
+
+log = structlog.get_logger("ascendserve.kv")
 
 # vLLM's KVCacheLayout names, by the physical order of the logical axes
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -90,6 +94,8 @@ class PagedKV:
         # host buffers of staged reads: pinned for device memory, so its copies are asynchronous
         self.staging = StagingPool(staging_budget, pin=self.device.type != "cpu")
         self._streams = threading.local()  # a side stream per transfer thread (devices only)
+        if self.device.type == "cuda":  # ascendserve's kernels stage its pages if they pass here
+            _kernels_on(self.device)
         views = [_as_4d(t) for t in self.layers]
         shapes = {tuple(v.shape) for v in views}
         dtypes = {v.dtype for v in views}
@@ -282,22 +288,31 @@ class PagedKV:
         """Queue the copy of these pages (`_unit_view`) into `host` (uint8, exactly their
         bytes, in transfer order): gathered on the device, then one copy to the host, after
         what the engine queued before. Returns the event to `wait` for (None: done)."""
-        view, idx = self._unit_view(layer, heads), torch.from_numpy(self._index(block_ids))
+        view, idx = self._unit_view(layer, heads), self._index(block_ids)
         side = self._side()
         with side.after_engine():
-            ids = idx.to(self.device, non_blocking=True)
-            host.copy_(view.index_select(0, ids).view(-1), non_blocking=True)
+            if _cuda_kernels(view):  # gathered by ascendserve's kernel into a device buffer
+                staged = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+                ops.gather_runs_cuda([view], idx, staged, stream=side.stream)
+            else:  # torch's index op (every other device, and CUDA without the kernels)
+                ids = torch.from_numpy(idx).to(self.device, non_blocking=True)
+                staged = view.index_select(0, ids).view(-1)
+            host.copy_(staged, non_blocking=True)
             return side.event()
 
     def copy_in(self, layer: int | None, block_ids: list[int], host: torch.Tensor,
                 heads: tuple[int, int] | None = None):
         """Queue `copy_out`'s reverse: `host`'s bytes copied to the device, then scattered
         into these pages. `host` must stay untouched until the returned event is done."""
-        view, idx = self._unit_view(layer, heads), torch.from_numpy(self._index(block_ids))
+        view, idx = self._unit_view(layer, heads), self._index(block_ids)
         side = self._side()
         with side.queued():
-            ids = idx.to(self.device, non_blocking=True)
-            view[ids] = host.to(self.device, non_blocking=True).view((len(idx), *view.shape[1:]))
+            staged = host.to(self.device, non_blocking=True)
+            if _cuda_kernels(view):
+                ops.scatter_runs_cuda([view], idx, staged, stream=side.stream)
+            else:
+                ids = torch.from_numpy(idx).to(self.device, non_blocking=True)
+                view[ids] = staged.view((len(idx), *view.shape[1:]))
             return side.event()
 
     @staticmethod
@@ -348,6 +363,35 @@ class PagedKV:
         return {"bases": base, "order": self.page_order, "extent": {a: self._extent[a] for a in "khn"},
                 "stride": {a: self._stride[a] for a in "khn"}, "content": self._extent["c"],
                 "block_stride": self.block_stride}
+
+
+_kernel_lock = threading.Lock()
+_kernel_ok: dict[int, bool] = {}  # CUDA device index -> whether its copies use ascendserve's kernels
+
+
+def _cuda_kernels(view: torch.Tensor) -> bool:
+    """Whether staged copies of `view` (a byte view [num_blocks, *runs]) go through
+    ascendserve's CUDA kernels: a CUDA device on which they loaded and passed
+    `ops.cuda_self_test` (run once per device, a few milliseconds, logged), and a
+    view of at most two axes between blocks and runs. Everywhere else torch's index
+    ops copy the same bytes."""
+    return view.device.type == "cuda" and view.dim() <= 4 and _kernels_on(view.device)
+
+
+def _kernels_on(device: torch.device) -> bool:
+    """`_cuda_kernels`' per-device part; PagedKV asks at start-up, so the self-test is
+    not paid by a request's first transfer."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _kernel_lock:
+        if index not in _kernel_ok:
+            problem = ops.cuda_self_test(torch.device("cuda", index))
+            _kernel_ok[index] = not problem
+            if problem:
+                log.warning("KV staging uses torch's index ops, not ascendserve's CUDA kernels",
+                            device=f"cuda:{index}", reason=problem)
+            else:
+                log.info("KV staging uses ascendserve's CUDA kernels", device=f"cuda:{index}")
+        return _kernel_ok[index]
 
 
 class _SideStream:
