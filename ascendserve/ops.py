@@ -44,7 +44,7 @@ import numpy as np
 
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native", "libascendserve_ops.so")
 
-calls: Counter = Counter()  # copies done per backend: "native", "numpy", "reference", "cuda"
+calls: Counter = Counter()  # copies done per backend: "native", "numpy", "reference", "cuda", "emulated"
 _lock = threading.Lock()
 _native = None  # torch.ops.ascendserve once loaded
 _tried = False
@@ -325,18 +325,26 @@ def cuda_why_not() -> str:
 def _open_cuda(path: str):
     if not os.path.exists(path):
         raise RuntimeError(f"{os.path.basename(path)} not found at {path} (build it: native/build.sh)")
-    try:
-        lib = ctypes.CDLL(path)
-        _bind(lib)
-    except (OSError, AttributeError) as exc:
-        raise RuntimeError(f"{path} does not load ({exc}; rebuild it: native/build.sh)") from exc
-    version = lib.asv_cuda_abi_version()
-    if version != CUDA_ABI_VERSION:
-        raise RuntimeError(f"{path} has ABI version {version}, this ascendserve needs {CUDA_ABI_VERSION} "
-                           "(rebuild it: native/build.sh)")
+    lib = _open_library(path)
     count = lib.asv_cuda_device_count()
     if count <= 0:
         raise RuntimeError(f"no CUDA device ({_no_device_detail(lib, count)})")
+    return lib
+
+
+def _open_library(path: str):
+    """The library at `path`, its ABI checked first (another ABI may lack a symbol), then bound."""
+    try:
+        lib = ctypes.CDLL(path)
+        lib.asv_cuda_abi_version.argtypes = []
+        lib.asv_cuda_abi_version.restype = ctypes.c_int
+        version = lib.asv_cuda_abi_version()
+        if version != CUDA_ABI_VERSION:
+            raise RuntimeError(f"{path} has ABI version {version}, this ascendserve needs {CUDA_ABI_VERSION} "
+                               "(rebuild it: native/build.sh)")
+        _bind(lib)
+    except (OSError, AttributeError) as exc:
+        raise RuntimeError(f"{path} does not load ({exc}; rebuild it: native/build.sh)") from exc
     return lib
 
 
@@ -351,6 +359,8 @@ def _bind(lib) -> None:
         fn = getattr(lib, name)
         fn.argtypes = _RUNS_ARGTYPES
         fn.restype = ctypes.c_int
+    lib.asv_cuda_emulate_runs.argtypes = [ctypes.c_int, *_RUNS_ARGTYPES[:-2]]
+    lib.asv_cuda_emulate_runs.restype = ctypes.c_int
 
 
 def _cuda_error(lib, code: int) -> str:
@@ -424,6 +434,53 @@ def scatter_runs_cuda(layer_views, block_ids, buf, stream=None) -> None:
     written at all (the kernel's threads write in no order, so this module
     sends -1, "skip", for every position a later repeat overrides)."""
     _runs_cuda(True, layer_views, block_ids, buf, stream)
+
+
+def emulate_runs_cuda(scatter: bool, layer_views, block_ids, buf) -> None:
+    """gather_runs_cuda (scatter False) or scatter_runs_cuda on host tensors: the kernels'
+    own launch plan and per-thread code (asv_cuda_emulate_runs), run thread by thread on
+    the CPU. How CI, which has no GPU, runs PagedKV's CUDA-kernel branch
+    (PagedKV(staging=True, kernels="emulated")); slow, for tests. The same argument
+    checks as on the device; RuntimeError when the library is not built or not loadable."""
+    import torch
+
+    views = list(layer_views)
+    runs = _run_geometry(torch, views)
+    ids = _host_ids(torch, block_ids, runs.num_blocks)
+    _check_buf(torch, buf, len(views) * ids.size * runs.page_bytes)
+    for l, v in enumerate([*views, buf]):
+        if v.device.type != "cpu":
+            raise ValueError(f"{'buf' if l == len(views) else f'layer view {l}'} is on {v.device}: "
+                             "the emulation runs on host memory")
+    lib = _host_cuda_lib()
+    if scatter:
+        ids = _last_wins(ids)
+    bases = np.array([v.data_ptr() for v in views], dtype=np.uint64)
+    rc = lib.asv_cuda_emulate_runs(int(scatter), bases.ctypes.data, len(views), ids.ctypes.data, ids.size,
+                                   runs.num_blocks, buf.data_ptr(), runs.block_stride, runs.a, runs.stride_a,
+                                   runs.b, runs.stride_b, runs.run)
+    if rc != 0:
+        raise RuntimeError(f"asv_cuda_emulate_runs: {_cuda_error(lib, rc)}")
+    calls["emulated"] += 1
+
+
+_host_cuda = None  # the library opened without a device, for emulate_runs_cuda
+
+
+def _host_cuda_lib():
+    global _host_cuda
+    with _lock:
+        if _host_cuda is None:
+            if not os.path.exists(CUDA_LIBRARY):
+                raise RuntimeError(f"the CUDA kernels' emulation needs {CUDA_LIBRARY} (build it: native/build.sh "
+                                   "with an nvcc)")
+            _host_cuda = _open_library(CUDA_LIBRARY)
+        return _host_cuda
+
+
+def cuda_library_built() -> bool:
+    """Whether libascendserve_cuda.so is here (it may still have no device to run on)."""
+    return os.path.exists(CUDA_LIBRARY)
 
 
 @dataclass(frozen=True)

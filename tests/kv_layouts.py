@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ascendserve import ops
+
 NUM_BLOCKS = 12
 LAYERS = 11  # more than 10: name order (layers.10 before layers.2) differs from memory order
 BLOCK = 16
@@ -25,6 +27,9 @@ HELD = [[3, 4, 5, 11], [0, 7, 7, 2], [9], [1, 2, 3, 4, 5, 6, 8, 10]]  # request 
 # staged pages' pool (kv/staging.py): a layer of a long read is several units (an 8 KiB page,
 # 4 to a unit; an MLA page alone), and a cross-layer block (88 KiB) is larger than the budget
 STAGING_BUDGET = 64 << 10
+# P's staged pages are gathered by the CUDA kernels' code (emulated on the CPU) when it is
+# built, D's staged pages scattered by torch's index ops: both copy codes of the device path
+PRODUCER_KERNELS = "emulated" if ops.cuda_library_built() else "torch"
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ def main(argv: list[str]) -> None:
             base = free_port_run(case.p_tp, derived=False)
             for rank, desc in enumerate(ranks):
                 pages = PagedKV(rebuild(desc, producer_seed(case, rank)), NUM_BLOCKS, staging=staged,
-                                staging_budget=STAGING_BUDGET)
+                                staging_budget=STAGING_BUDGET, kernels=PRODUCER_KERNELS if staged else "auto")
                 server = ChannelServer("127.0.0.1", base + rank, holds, pages, "tok",
                                        {name: make_transport(name, pages) for name in ("tcp", "shm")})
                 server.start()

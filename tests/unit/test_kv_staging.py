@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from ascendserve import ops
 from ascendserve.connectors.kv import staging
 from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.kv.staging import StagingPool, recv_units, send_units, units
@@ -37,8 +38,15 @@ def cache(seed: int, cross_layer: bool = False) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.attn": raw[i] for i in range(LAYERS)}
 
 
-def staged(views, budget: int) -> PagedKV:
-    return PagedKV(views, staging=True, staging_budget=budget)
+def staged(views, budget: int, kernels: str = "torch") -> PagedKV:
+    return PagedKV(views, staging=True, staging_budget=budget, kernels=kernels)
+
+
+# the two ways a device gathers and scatters its pages: torch's index ops (Ascend, and CUDA
+# without ascendserve's kernels) and the CUDA kernels, whose launch runs here on the CPU
+EMULATED = pytest.param("emulated", marks=pytest.mark.skipif(
+    not ops.cuda_library_built(), reason="no libascendserve_cuda.so: native/build.sh found no nvcc"))
+KERNELS = ["torch", EMULATED]
 
 
 # ---- the pool ---------------------------------------------------------------------
@@ -142,13 +150,17 @@ def _move(src: PagedKV, dst: PagedKV, remote, local, heads=None, dst_heads=None)
         b.close()
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["LBHNC", "BLHNC"])
 @pytest.mark.parametrize("budget_pages", [2, 8, 1000], ids=["one-buffer", "pipelined", "one-unit"])
-def test_staged_reads_are_bit_exact_whatever_the_budget(cross_layer, budget_pages):
-    src = staged(cache(1, cross_layer), budget_pages * PAGE)
-    dst = staged(cache(2, cross_layer), 3 * PAGE)  # the sides split the stream differently
+def test_staged_reads_are_bit_exact_whatever_the_budget(cross_layer, budget_pages, kernels):
+    src = staged(cache(1, cross_layer), budget_pages * PAGE, kernels)
+    dst = staged(cache(2, cross_layer), 3 * PAGE, kernels)  # the sides split the stream differently
     remote, local = [9, 0, 4, 4, 7, 1, 2], [0, 1, 2, 3, 5, 6, 8]
+    before = ops.calls["emulated"]
     assert _move(src, dst, remote, local) == src.nbytes(len(remote))
+    # the CUDA kernels' code did every copy (gathers on P, scatters on D), or none of them
+    assert (ops.calls["emulated"] > before) == (kernels == "emulated")
     for layer in range(LAYERS):
         for r, lo in zip(remote, local):
             assert torch.equal(dst.layers[layer][lo], src.layers[layer][r])
@@ -158,8 +170,9 @@ def test_staged_reads_are_bit_exact_whatever_the_budget(cross_layer, budget_page
     assert src.staging.stats()["in_use"] == 0 and dst.staging.stats()["in_use"] == 0
 
 
-def test_a_head_range_lands_in_the_other_sides_range():
-    src, dst = staged(cache(1), 4 * PAGE), staged(cache(2), 4 * PAGE)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_head_range_lands_in_the_other_sides_range(kernels):
+    src, dst = staged(cache(1), 4 * PAGE, kernels), staged(cache(2), 4 * PAGE, kernels)
     _move(src, dst, [3, 5], [6, 1], heads=(2, 2), dst_heads=(0, 2))
     for layer in range(LAYERS):
         assert torch.equal(dst.layers[layer][[6, 1], :2], src.layers[layer][[3, 5], 2:])
@@ -266,3 +279,11 @@ def test_the_default_budget_is_the_configs():
     from ascendserve.config import KVConfig
 
     assert KVConfig().staging_mib << 20 == staging.DEFAULT_BUDGET
+
+
+def test_the_copy_code_is_chosen_by_the_device_and_refuses_what_cannot_work():
+    assert PagedKV(cache(1), staging=True).kernels == "torch"  # host memory: no CUDA kernels to use
+    with pytest.raises(ValueError, match="staged host memory"):
+        PagedKV(cache(1), kernels="emulated")  # in place: nothing is staged
+    with pytest.raises(ValueError, match="want auto, torch or emulated"):
+        PagedKV(cache(1), staging=True, kernels="cuda")

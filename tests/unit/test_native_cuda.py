@@ -68,8 +68,6 @@ def lib(library):
     """The library through plain ctypes (works without a driver), the emulation entry point bound."""
     cdll = ctypes.CDLL(library)
     ops._bind(cdll)
-    cdll.asv_cuda_emulate_runs.argtypes = [ctypes.c_int, *ops._RUNS_ARGTYPES[:-2]]
-    cdll.asv_cuda_emulate_runs.restype = ctypes.c_int
     return cdll
 
 

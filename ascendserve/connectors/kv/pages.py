@@ -68,7 +68,7 @@ class PagedKV:
     hold kernel blocks (B = K * num_blocks); default: the views' first dimension."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None,
-                 staging: bool | None = None, staging_budget: int = DEFAULT_BUDGET):
+                 staging: bool | None = None, staging_budget: int = DEFAULT_BUDGET, kernels: str = "auto"):
         seen: set[int] = set()
         self.names: list[str] = []
         self.layers: list[torch.Tensor] = []
@@ -94,8 +94,17 @@ class PagedKV:
         # host buffers of staged reads: pinned for device memory, so its copies are asynchronous
         self.staging = StagingPool(staging_budget, pin=self.device.type != "cpu")
         self._streams = threading.local()  # a side stream per transfer thread (devices only)
-        if self.device.type == "cuda":  # ascendserve's kernels stage its pages if they pass here
-            _kernels_on(self.device)
+        # what gathers and scatters staged pages on the device: "cuda", ascendserve's kernels
+        # (a CUDA device where their self-test passed, asked here so no request pays for it);
+        # "torch", its index ops (every other device); "emulated", the CUDA kernels' code run
+        # on the CPU (host memory only: how CI runs the kernel branch); "auto" picks cuda or torch
+        if kernels not in ("auto", "torch", "emulated"):
+            raise ValueError(f"kernels={kernels!r}: want auto, torch or emulated")
+        if kernels == "emulated" and (self.device.type != "cpu" or not self.staged):
+            raise ValueError("kernels='emulated' is for staged host memory (PagedKV(staging=True) on CPU tensors)")
+        if kernels == "auto":
+            kernels = "cuda" if self.device.type == "cuda" and _kernels_on(self.device) else "torch"
+        self.kernels = kernels
         views = [_as_4d(t) for t in self.layers]
         shapes = {tuple(v.shape) for v in views}
         dtypes = {v.dtype for v in views}
@@ -291,9 +300,9 @@ class PagedKV:
         view, idx = self._unit_view(layer, heads), self._index(block_ids)
         side = self._side()
         with side.after_engine():
-            if _cuda_kernels(view):  # gathered by ascendserve's kernel into a device buffer
+            if self._runs(view):  # gathered by ascendserve's kernel into a device buffer
                 staged = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
-                ops.gather_runs_cuda([view], idx, staged, stream=side.stream)
+                self._copy_runs(False, view, idx, staged, side)
             else:  # torch's index op (every other device, and CUDA without the kernels)
                 ids = torch.from_numpy(idx).to(self.device, non_blocking=True)
                 staged = view.index_select(0, ids).view(-1)
@@ -308,12 +317,25 @@ class PagedKV:
         side = self._side()
         with side.queued():
             staged = host.to(self.device, non_blocking=True)
-            if _cuda_kernels(view):
-                ops.scatter_runs_cuda([view], idx, staged, stream=side.stream)
+            if self._runs(view):
+                self._copy_runs(True, view, idx, staged, side)
             else:
                 ids = torch.from_numpy(idx).to(self.device, non_blocking=True)
                 view[ids] = staged.view((len(idx), *view.shape[1:]))
             return side.event()
+
+    def _runs(self, view: torch.Tensor) -> bool:
+        """Whether the kernels copy `view` (they take at most two axes between blocks and runs)."""
+        return self.kernels != "torch" and view.dim() <= 4
+
+    def _copy_runs(self, scatter: bool, view: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
+                   side: "_SideStream") -> None:
+        if self.kernels == "emulated":
+            ops.emulate_runs_cuda(scatter, [view], idx, staged)
+        elif scatter:
+            ops.scatter_runs_cuda([view], idx, staged, stream=side.stream)
+        else:
+            ops.gather_runs_cuda([view], idx, staged, stream=side.stream)
 
     @staticmethod
     def wait(event) -> None:
@@ -369,18 +391,10 @@ _kernel_lock = threading.Lock()
 _kernel_ok: dict[int, bool] = {}  # CUDA device index -> whether its copies use ascendserve's kernels
 
 
-def _cuda_kernels(view: torch.Tensor) -> bool:
-    """Whether staged copies of `view` (a byte view [num_blocks, *runs]) go through
-    ascendserve's CUDA kernels: a CUDA device on which they loaded and passed
-    `ops.cuda_self_test` (run once per device, a few milliseconds, logged), and a
-    view of at most two axes between blocks and runs. Everywhere else torch's index
-    ops copy the same bytes."""
-    return view.device.type == "cuda" and view.dim() <= 4 and _kernels_on(view.device)
-
-
 def _kernels_on(device: torch.device) -> bool:
-    """`_cuda_kernels`' per-device part; PagedKV asks at start-up, so the self-test is
-    not paid by a request's first transfer."""
+    """Whether ascendserve's CUDA kernels stage pages on this CUDA device: they loaded
+    and passed `ops.cuda_self_test` there (run once per device, a few milliseconds,
+    logged). Elsewhere torch's index ops copy the same bytes."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _kernel_lock:
         if index not in _kernel_ok:
