@@ -84,7 +84,14 @@ class EngineConfig(_Section):
 
 
 class KVConfig(_Section):
-    connector: Literal["example", "pull", "push"] = "example"
+    # example | pull | push (ascendserve's) | nixl | mooncake | ascend-mooncake | ascend-layerwise |
+    # ascend-store | lmcache | multi | module.path:ClassName (protocol/kv_connectors.py)
+    connector: str = "example"
+    connectors: list[str] = []  # multi: its connectors, in vLLM MultiConnector's order
+    flow: Literal["pull", "named", "push", "store"] = "pull"  # how the proxy drives a module.path:ClassName connector
+    extra: dict[str, PassthroughValue] = {}  # [kv.extra]: merged into the connector's kv_connector_extra_config
+    engine_id: str = ""  # vLLM's engine_id for the engine connectors (default: the instance id)
+    buffer_device: Literal["auto", "cpu", "cuda", "npu"] = "auto"  # nixl's kv_buffer_device (auto: the host's)
     path: str = ""  # example connector: shared storage directory
     transport: Literal["tcp", "shm", "mooncake"] = "tcp"
     port: Annotated[int, Meta(ge=0, le=65535)] = 0  # side channel; 0 = server.port + 1000 (TP rank r: + r)
@@ -412,10 +419,13 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
                                   "set kv.port (--kv-port)")
         if not config.ec.path:
             config.ec.path = str(Path(config.runtime_dir) / "ec")
+        if not config.kv.engine_id:
+            config.kv.engine_id = config.instance_id
         _check_parallel(config)
         if config.netloader.sources and config.role == "encoder":
             raise ConfigError("netloader.sources: the encoder role loads its weights from disk "
                               "(it loads only the vision part of a checkpoint)")
+    _check_kv_connector(config)
     if config.is_engine or config.role == "elastic-server":
         if (config.netloader.serve or config.role == "elastic-server") and not config.cluster.token:
             raise ConfigError("a NetLoader seed (netloader.serve, or the elastic-server role) streams the model's "
@@ -447,6 +457,30 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
 
     check(config)
     return config
+
+
+def _check_kv_connector(config: Config) -> None:
+    """Refuse a `[kv]` connector setting that cannot work, naming it (protocol/kv_connectors.py)."""
+    from ascendserve.protocol import kv_connectors as kc
+
+    kv = config.kv
+    why = kc.check_name(kv.connector)
+    if why:
+        raise ConfigError(why)
+    if kv.connector == kc.MULTI:
+        why = kc.multi_why_not(kv.connectors)
+        if why:
+            raise ConfigError(why)
+    elif kv.connectors:
+        raise ConfigError(f"kv.connectors is for kv.connector = 'multi', not {kv.connector!r}")
+    if kv.extra and kv.connector in ("example", *kc.OURS):
+        raise ConfigError(f"[kv.extra] is for the engines' connectors; kv.connector = {kv.connector!r} is "
+                          "configured by the [kv] settings themselves")
+    if "mooncake" in (kv.connectors if kv.connector == kc.MULTI else [kv.connector]) \
+            and config.engine.data_parallel_size > 1:
+        raise ConfigError("kv.connector 'mooncake' (vLLM's MooncakeConnector) takes one engine per instance: P "
+                          "answers with no kv_transfer_params, so the proxy could not tell D which data-parallel "
+                          "rank holds the blocks; run the ranks as instances of their own (data_parallel_size = 1)")
 
 
 def _check_parallel(config: Config) -> None:

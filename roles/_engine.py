@@ -6,6 +6,7 @@ from __future__ import annotations
 from ascendserve.config import Config
 from ascendserve.discovery.heartbeat import Heartbeat
 from ascendserve.engine.startup_stop import exit_now
+from ascendserve.engine.kv_args import kv_registration
 from ascendserve.engine.vllm_server import interrupted_during_startup, serve
 from ascendserve.launch.children import reap_children
 from ascendserve.launch.shm_ledger import ShmLedger
@@ -25,7 +26,8 @@ def run_engine(config: Config) -> int:
         heartbeat = Heartbeat(config.cluster.metaserver_url, config.cluster.token, config.instance_id,
                               config.role, config.advertise_url, config.local_url,
                               config.model.served_name or config.model.path,
-                              config.metaserver.heartbeat_interval_s, seed_registration(config),
+                              config.metaserver.heartbeat_interval_s,
+                              {**seed_registration(config), **kv_registration(config)},
                               tls_ca=config.cluster.tls_ca).start()
     try:
         code = serve(config)

@@ -150,6 +150,7 @@ REPO = Path(__file__).resolve().parents[1]
 # when it starts no vLLM; the --quick guard fails it otherwise.
 NO_ENGINE_MODULES = {
     "tests/integration/test_proxy_stubs.py",
+    "tests/integration/test_kv_connector_flows.py",
     "tests/integration/test_security.py",
     "tests/integration/test_load.py",
     "tests/integration/test_netloader_wire.py",

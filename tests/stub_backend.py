@@ -8,6 +8,15 @@ SIGKILL. It checks the protocol it receives and counts what happened:
     prefill  must get max_tokens=1, stream=false, kv_transfer_params.do_remote_decode
     decode   with --require-kv, must get P's kv_transfer_params (or a push-mode
              metaserver URL, which it calls back like vllm-ascend's layerwise D)
+With --kv-connector NAME it speaks that connector's flow (protocol/kv_connectors.py):
+it says so at GET /kv_info as an engine role does; pull P answers with the field names of
+that connector's own P (tests/kv_wire.py: NixlConnector's tp_size, vllm-ascend's
+remote_ptp_size, ...), and a D checks it got those params exactly; named P and D (vLLM's
+MooncakeConnector) must get the transfer id the proxy minted, D with P's engine id and
+bootstrap URL; store P and D must get no kv_transfer_params. A pull P
+also listens on the remote_port it names and counts the connections made to it (the
+proxy's FREE of a hold: `side_channel_connections`). --fail-status N: every generation
+request is answered N (a dead D). `last_kv_transfer_params` is what the last request carried.
 GET /stub/stats returns the counters (and `peak_active`, the most streams open at
 once); POST /stub/reset clears them. A reset body {"gate": N} makes every stream
 wait after its first token until N streams are open at once (or --gate-timeout-s
@@ -24,9 +33,10 @@ import time
 import aiohttp
 import msgspec
 
-STATS_KEYS = ("requests", "completed", "aborted", "protocol_errors", "prefills", "decodes", "encodes",
-              "push_callbacks", "active", "peak_active", "gate_timeouts")
+from tests import kv_wire
 
+STATS_KEYS = ("requests", "completed", "aborted", "protocol_errors", "prefills", "decodes", "encodes",
+              "push_callbacks", "active", "peak_active", "gate_timeouts", "side_channel_connections")
 
 class Stub:
     def __init__(self, args):
@@ -36,6 +46,28 @@ class Stub:
         self.session: aiohttp.ClientSession | None = None
         self.gate = 0
         self.gate_open = asyncio.Event()
+        from ascendserve.protocol.kv_connectors import flow_of, free_of
+
+        children = args.kv_connectors.split(",") if args.kv_connectors else []
+        self.flow = flow_of(args.kv_connector, children) if args.kv_connector else ""
+        self.free = free_of(args.kv_connector, children) if args.kv_connector else ""
+        # multi answers with the kv_transfer_params of its child that moves KV from P to D
+        self.speaks = next((c for c in children if flow_of(c) != "store"), "") if children else args.kv_connector
+        self.side_port = 0
+        if args.role == "prefill" and self.flow in ("pull", "named"):  # a side channel that only counts connections
+            import socket
+            import threading
+
+            listener = socket.create_server(("127.0.0.1", 0))
+            self.side_port = listener.getsockname()[1]
+
+            def count():
+                while True:
+                    conn, _ = listener.accept()
+                    self.stats["side_channel_connections"] += 1
+                    conn.close()
+
+            threading.Thread(target=count, daemon=True).start()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -51,6 +83,11 @@ class Stub:
         path, method = scope["path"], scope["method"]
         if method == "GET" and path in ("/health", "/metrics", "/ping"):
             return await self._reply(send, 200, b"")
+        if method == "GET" and path == "/kv_info" and self.args.kv_connector:
+            return await self._json(send, {"connector": self.args.kv_connector, "flow": self.flow, "free": self.free,
+                                           "connectors": self.args.kv_connectors.split(",") if self.args.kv_connectors
+                                           else [],
+                                           "engine_id": "stub-engine", "host": "127.0.0.1", "port": self.side_port})
         if method == "GET" and path == "/v1/models":
             return await self._json(send, {"object": "list", "data": [{"id": self.args.model, "object": "model"}]})
         if path == "/stub/stats":
@@ -91,27 +128,44 @@ class Stub:
 
     async def _generate(self, path, body, headers, receive, send):
         self.stats["requests"] += 1
+        self.stats["last_request_at"] = time.time()
         self.stats["last_ec_transfer_params"] = body.get("ec_transfer_params")
         role, kv = self.args.role, body.get("kv_transfer_params") or {}
+        self.stats["last_kv_transfer_params"] = body.get("kv_transfer_params")
         chat = path.endswith("chat/completions")
         rid = headers.get(b"x-request-id", b"").decode() or f"stub{next(self.ids)}"
+        if self.args.fail_status:
+            return await self._json(send, {"error": {"message": "stub told to fail"}}, self.args.fail_status)
+        if role == "prefill" and self.flow in ("store", "named"):
+            want = None if self.flow == "store" else {"do_remote_decode": True, "do_remote_prefill": False,
+                                                      "transfer_id": kv.get("transfer_id")}
+            if body.get("max_tokens") != 1 or body.get("stream") or body.get("kv_transfer_params") != want \
+                    or (want and not str(want["transfer_id"]).startswith("xfer-")):
+                return await self._json(send, self._bad(f"{self.flow}-flow prefill needs max_tokens=1, stream=false "
+                                                        f"and kv_transfer_params {want}"), 400)
+            self.stats["prefills"] += 1
+            return await self._json(send, self._completion(chat, rid, 1))
         if role == "prefill":
             if body.get("max_tokens") != 1 or body.get("stream") or not kv.get("do_remote_decode"):
                 return await self._json(send, self._bad("prefill needs max_tokens=1, stream=false, "
                                                         "kv_transfer_params.do_remote_decode"), 400)
             self.stats["prefills"] += 1
             reply = self._completion(chat, rid, 1)
-            reply["kv_transfer_params"] = {
+            reply["kv_transfer_params"] = kv_wire.p_reply(self.speaks, rid, self.side_port) or {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
                 "remote_engine_id": f"stub-{self.args.port}", "remote_request_id": rid,
-                "remote_host": "127.0.0.1", "remote_port": self.args.port}
+                "remote_host": "127.0.0.1", "remote_port": self.side_port or self.args.port}
             return await self._json(send, reply)
+        if role == "decode" and self.args.require_kv and self.flow:
+            why = self._decode_params_wrong(body)
+            if why:
+                return await self._json(send, self._bad(why), 400)
         if role == "encoder":
             self.stats["encodes"] += 1
             reply = self._completion(chat, rid, 1)
             reply["ec_transfer_params"] = {f"stub-hash-{self.stats['encodes']}": {"item_indices": [0]}}
             return await self._json(send, reply)
-        if role == "decode" and self.args.require_kv:
+        if role == "decode" and self.args.require_kv and self.flow in ("", "push"):
             if kv.get("metaserver"):
                 ok = await self._push_callback(kv["metaserver"], chat, rid)
                 if not ok:
@@ -126,6 +180,22 @@ class Stub:
             await asyncio.sleep(self.args.token_delay_ms * n / 1000)
         self.stats["completed"] += 1
         return await self._json(send, self._completion(chat, rid, n))
+
+    def _decode_params_wrong(self, body: dict) -> str | None:
+        """Why D's kv_transfer_params are not what its connector's flow gives D (None: they are)."""
+        kv = body.get("kv_transfer_params")
+        if self.flow == "store":
+            return "store-flow decode got kv_transfer_params" if "kv_transfer_params" in body else None
+        if self.flow == "named":
+            keys = {"do_remote_decode", "do_remote_prefill", *kv_wire.VLLM_MOONCAKE_D_NEEDS}
+            ok = isinstance(kv, dict) and set(kv) == keys and kv["do_remote_prefill"] is True \
+                and kv["remote_engine_id"] == "stub-engine" and str(kv["transfer_id"]).startswith("xfer-") \
+                and str(kv["remote_bootstrap_addr"]).startswith("http://127.0.0.1:")
+            return None if ok else f"named-flow decode got kv_transfer_params {kv}"
+        want = kv_wire.p_reply(self.speaks, "r", 1)
+        if want is not None and (not isinstance(kv, dict) or set(kv) != set(want)):
+            return f"decode got kv_transfer_params {sorted(kv or ())}, not P's {sorted(want)}"
+        return None
 
     async def _push_callback(self, url: str, chat: bool, rid: str) -> bool:
         self.stats["push_callbacks"] += 1
@@ -216,6 +286,9 @@ def main() -> None:
     ap.add_argument("--gate-timeout-s", type=float, default=30.0, help="longest wait at the gate (POST /stub/reset)")
     ap.add_argument("--metaserver-url", default="", help="register and heartbeat like an engine role")
     ap.add_argument("--cluster-token", default="")
+    ap.add_argument("--kv-connector", default="", help="speak this KV connector's flow and say so at /kv_info")
+    ap.add_argument("--kv-connectors", default="", help="multi: its connectors, comma-separated")
+    ap.add_argument("--fail-status", type=int, default=0, help="answer every generation request with this status")
     args = ap.parse_args()
     from ascendserve.config import ServerConfig
     from ascendserve.web.limits import raise_open_files_limit

@@ -27,7 +27,7 @@ import structlog
 
 _log = structlog.get_logger("ascendserve.http")
 # Probed every few seconds by proxies and scrapers: keep them out of info logs.
-_QUIET_PATHS = frozenset({"/health", "/metrics", "/ping", "/v1/models", "/load"})
+_QUIET_PATHS = frozenset({"/health", "/metrics", "/ping", "/v1/models", "/load", "/kv_info"})
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -121,12 +121,31 @@ class ClusterGuard:
         await send({"type": "http.response.body", "body": _REFUSED})
 
 
+class KVInfo:
+    """GET /kv_info: this instance's KV connector (ASCENDSERVE_KV_INFO, set by the role:
+    connector, flow, engine_id, kv_port), which the proxy reads when it admits an instance
+    so that it pairs P and D of one connector only. 404 where the role set none."""
+
+    def __init__(self, app, info: str | None = None):
+        self.app = app
+        self.body = (os.environ.get("ASCENDSERVE_KV_INFO", "") if info is None else info).encode()
+
+    async def __call__(self, scope, receive, send):
+        if not (self.body and scope["type"] == "http" and scope.get("path") == "/kv_info"
+                and scope.get("method") == "GET"):
+            return await self.app(scope, receive, send)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(self.body)).encode())]})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 class EngineMiddleware:
     """What engine roles pass as vLLM's one `--middleware` (vLLM warns on a repeated flag):
     the request context outermost, so refused requests are logged with their id too."""
 
     def __init__(self, app):
-        self.app = RequestContext(ClusterGuard(app))
+        self.app = RequestContext(KVInfo(ClusterGuard(app)))
 
     async def __call__(self, scope, receive, send):
         return await self.app(scope, receive, send)

@@ -18,6 +18,7 @@ from typing import Any
 
 from ascendserve.config import Config, ConfigError, redact_args
 from ascendserve.engine.host_defaults import engine_dtype, memory_args, process_env
+from ascendserve.engine.kv_args import kv_env, kv_transfer_config
 from ascendserve.engine.startup_stop import StartupInterrupted, _StartupStop
 from ascendserve.logging import get_logger, vllm_dictconfig
 
@@ -39,8 +40,6 @@ OWNED = {
     "mm-encoder-only": "--role encoder",
 }
 
-KV_CONNECTORS = {"example": "ExampleConnector", "pull": "AscendPullConnector", "push": "AscendPushConnector"}
-KV_MODULES = {"pull": "ascendserve.connectors.kv.pull", "push": "ascendserve.connectors.kv.push"}
 EC_CONNECTORS = {"example": "ECExampleConnector", "shm": "AscendECShmConnector", "store": "AscendECStoreConnector"}
 EC_MODULE = "ascendserve.connectors.ec.connector"
 MIDDLEWARE = "ascendserve.engine.middleware.EngineMiddleware"
@@ -49,23 +48,6 @@ HTTP_SHUTDOWN_S = 5  # longest wait for open HTTP connections once the engine ha
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
-
-
-def kv_transfer_config(config: Config, kv_role: str) -> dict:
-    kv = config.kv
-    if kv.connector == "example":
-        return {"kv_connector": KV_CONNECTORS["example"], "kv_role": kv_role,
-                "kv_connector_extra_config": {"shared_storage_path": kv.path}}
-    return {
-        "kv_connector": KV_CONNECTORS[kv.connector],
-        "kv_connector_module_path": KV_MODULES[kv.connector],
-        "kv_role": kv_role,
-        "kv_load_failure_policy": kv.load_failure_policy,
-        "kv_connector_extra_config": {"host": config.cluster.advertise_host, "bind_host": config.server.host,
-                                      "port": kv.port, "ttl_s": kv.ttl_s, "transport": kv.transport,
-                                      "staging_mib": kv.staging_mib,
-                                      "tls_ca": config.cluster.tls_ca},
-    }
 
 
 def ec_transfer_config(config: Config, ec_role: str) -> dict:
@@ -267,6 +249,7 @@ def prepare_environment(config: Config) -> dict[str, str]:
         # Connectors in vLLM's worker processes read the token from here, not
         # from the engine config, which vLLM logs.
         "ASCENDSERVE_CLUSTER_TOKEN": config.cluster.token,
+        **kv_env(config),
         **process_env(),
     }
 

@@ -4,6 +4,10 @@ Pull (vllm-ascend MooncakeConnectorV1 and ours): the proxy sends P
 `pull_prefill_params()`; P answers with `PullDecodeParams` fields, which the
 proxy hands to D verbatim (unknown extra fields included).
 
+Named (vLLM's MooncakeConnector): the proxy mints a transfer id; P gets
+`named_prefill_params()`, D `named_decode_params()` with P's engine id and
+bootstrap server; P answers with no params.
+
 Push (vllm-ascend's layerwise connector): the proxy sends D
 `push_decode_params()`; D reserves blocks and POSTs a `PushPrefillRequest`
 to the metaserver, which dispatches P once with those params.
@@ -21,6 +25,18 @@ def pull_prefill_params() -> dict:
     """What P gets in pull mode (the null remote_* keys match vllm-ascend's proxy)."""
     return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def named_prefill_params(transfer_id: str) -> dict:
+    """What P gets in the named flow (vLLM's MooncakeConnector): the proxy names the transfer."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+def named_decode_params(transfer_id: str, engine_id: str, bootstrap_addr: str) -> dict:
+    """What D gets in the named flow: the transfer P was told of, P's engine id and the
+    URL of P's bootstrap server (http://host:port), where D finds P's workers."""
+    return {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": transfer_id,
+            "remote_engine_id": engine_id, "remote_bootstrap_addr": bootstrap_addr}
 
 
 def push_decode_params(metaserver_url: str) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from ascendserve.protocol.kv_connectors import KVInfo
+
 ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
 # Roles that may register: the engines, and NetLoader seeds without an engine.
 REGISTERED_ROLES = (*ENGINE_ROLES, "elastic-server")
@@ -27,6 +29,8 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (sha256 of its canonical config.json); empty when it serves none
     seed: str = ""
     seed_model: str = ""
+    # P and D: their KV connector (protocol/kv_connectors.py); the proxy pairs only equal ones
+    kv: KVInfo | None = None
 
     def check(self) -> str | None:
         if self.role not in REGISTERED_ROLES:
@@ -35,7 +39,7 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return f"url must be http(s)://host:port, got {self.url!r}"
         if not self.instance_id or len(self.instance_id) > 256:
             return "instance_id must be 1..256 characters"
-        return None
+        return self.kv.check() if self.kv is not None else None
 
 
 class Heartbeat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -59,6 +63,7 @@ class InstanceView(msgspec.Struct, kw_only=True):
     age_s: float
     seed: str = ""
     seed_model: str = ""
+    kv: KVInfo | None = None
 
 
 class RegistryView(msgspec.Struct, kw_only=True):

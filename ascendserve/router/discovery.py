@@ -58,7 +58,9 @@ class RegistryWatch:
             # back while still draining its requests (it missed a heartbeat, or was restarted):
             # routed to again; left draining, it would be forgotten and never re-added
             if known is None or (known.state == "draining" and known.source == "registry"):
-                self.pools[role].add(url, source="registry", instance_id=info.instance_id)
+                inst = self.pools[role].add(url, source="registry", instance_id=info.instance_id)
+                if info.kv is not None:
+                    inst.kv = info.kv
                 log.info("instance joined through the registry", role=role, url=url, instance=info.instance_id)
                 added = True
         for inst in self.pools.all_instances():

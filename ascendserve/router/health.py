@@ -16,6 +16,7 @@ import msgspec
 import structlog
 
 from ascendserve.config import ProxyConfig
+from ascendserve.protocol.kv_connectors import KVInfo
 from ascendserve.protocol.wire import decode_json
 from ascendserve.router.pools import ACTIVE, DRAINING, EJECTED, PROBING, Instance, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
@@ -95,6 +96,8 @@ class HealthMonitor:
             inst.models = tuple(m["id"] for m in cards)
             roots = [m.get("root") for m in models if isinstance(m, dict) and isinstance(m.get("root"), str)]
             inst.root = roots[0] if roots else ""
+            if inst.role in ("prefill", "decode"):
+                await self._kv_info(inst)
             return True
         except UpstreamError as exc:
             inst.last_error = f"GET {url}: {exc.detail[:200] or exc.status}"
@@ -102,6 +105,23 @@ class HealthMonitor:
         except (msgspec.DecodeError, AttributeError, TypeError):
             inst.last_error = f"GET {url}: not a model list"
             return False
+
+    async def _kv_info(self, inst: Instance) -> None:
+        """Its KV connector, from ascendserve's engine route /kv_info; a plain vLLM has none
+        (404), and the registry's word, or nothing, stands."""
+        try:
+            status, raw = await self.upstream.get(inst.url + "/kv_info", self.settings.health_timeout_s)
+        except UpstreamError:
+            return
+        if status != 200:
+            return
+        try:
+            info = msgspec.json.decode(raw, type=KVInfo)
+        except msgspec.DecodeError as exc:
+            inst.last_error = f"GET {inst.url}/kv_info: {exc}"
+            return
+        if info.check() is None:
+            inst.kv = info
 
     async def _get_ok(self, inst: Instance, url: str) -> bool:
         try:

@@ -11,10 +11,12 @@ role and holds a Lease on it for exactly as long as it uses it):
                P/PD, which wait briefly for items still being saved.
                All encoders down -> PD/P encode locally (`encoder_fallback=local`)
                or 503 (`fail`). An encoder's 4xx (bad image) goes to the client.
-    prefill    pull mode: P computes the prompt with max_tokens=1 and returns
-               kv_transfer_params; P keeps a KV hold on its lease until D has
-               produced its first byte (D has pulled the blocks by then).
-               push mode: skipped here; D asks the metaserver, which dispatches P.
+    prefill    by the KV connector P and D run (router/kv_flow.py; P and D of
+               different connectors are never paired). pull/named/store: P
+               computes the prompt with max_tokens=1 (pull: P returns
+               kv_transfer_params for D); P keeps a KV hold on its lease until D
+               has produced its first byte (D has the blocks by then).
+               push: skipped here; D asks the metaserver, which dispatches P.
     decode     the client's request (plus kv_transfer_params) to D or PD.
                Streaming: the response is committed only after D's first chunk,
                so every failure before it is retried on another instance; a
@@ -41,7 +43,9 @@ from ascendserve.protocol.wire import decode_json
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
                                          only_part, prefix_key)
 from ascendserve.connectors.ec.memcached import StoreError
+from ascendserve.router import kv_flow
 from ascendserve.router.ec import ECLookup
+from ascendserve.router.kv_flow import Pair, Pairing
 from ascendserve.router.media import encoder_tokens, image_size, part_url
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pools import Instance, Lease, Pool, Pools
@@ -104,6 +108,7 @@ class Pipeline:
         self.metaserver_headers = {"authorization": f"Bearer {cluster_token}"} if cluster_token else {}
         self.cluster_token = cluster_token
         self._frees: set[asyncio.Future] = set()
+        self.pairing = Pairing(settings.mode)
 
     # ---- entry -------------------------------------------------------------
     async def handle(self, kind: str, body: dict, request_id: str) -> Reply:
@@ -119,27 +124,38 @@ class Pipeline:
             if ec_params:
                 body = dict(body, ec_transfer_params=ec_params)
         disaggregated = self.pools.has_active("prefill") and self.pools.has_active("decode")
-        if disaggregated and self.settings.mode == "pull":
-            return await self._prefill_then_decode(kind, body, headers, tokens)
         if disaggregated:
-            return await self._push(kind, body, headers, tokens, request_id)
+            pair = self._pair()
+            if pair.flow == "push" and not self.metaserver_url:
+                raise APIError(503, f"prefill and decode run a push connector ({pair.connector or self.settings.mode}): "
+                               "the proxy needs --metaserver-url", type="service_unavailable", code="no_metaserver")
+            if pair.flow == "push":
+                return await self._push(kind, body, headers, tokens, request_id, pair)
+            return await self._prefill_then_decode(kind, body, headers, tokens, pair)
         if self.pools.has_active("pd"):
             return await self._decode(kind, "pd", body, headers, tokens)
         raise APIError(503, "no healthy instance can serve this request (need pd, or prefill and decode)",
                        type="service_unavailable", code="no_instance")
 
+    def _pair(self) -> Pair:
+        """This request's KV connector and flow, and the P and D that cannot take part
+        (router/kv_flow.py): 503 when no prefill and decode share a connector."""
+        prefill, decode = self.pools["prefill"].active(), self.pools["decode"].active()
+        first = self.pools["prefill"].select(self.pairing.excluded(prefill, decode))
+        return self.pairing.pair(prefill, decode, first)
+
     # ---- retries -----------------------------------------------------------
     async def _with_retries(self, role: str, attempt: Callable[[Pool, Instance], Awaitable],
-                            prefix_key: bytes | None = None):
+                            prefix_key: bytes | None = None, exclude: frozenset[str] = frozenset()):
         pool = self.pools[role]
-        tried: set[str] = set()
+        tried: set[str] = set(exclude)
         last: UpstreamError | None = None
         for n in range(self.settings.max_retries + 1):
             if prefix_key is not None:
                 inst = pool.select_for_prefix(prefix_key, self.settings.prefix_slack_tokens, frozenset(tried))
             else:
                 inst = pool.select(frozenset(tried))
-            inst = inst or pool.select()
+            inst = inst or pool.select(exclude)
             if inst is None:
                 break
             tried.add(inst.url)
@@ -257,27 +273,34 @@ class Pipeline:
         return reply
 
     # ---- prefill (pull) -----------------------------------------------------
-    async def _prefill_then_decode(self, kind: str, body: dict, headers: dict, tokens: int) -> Reply:
-        p_body = dict(body, max_tokens=1, min_tokens=1, stream=False,
-                      kv_transfer_params=kv_params.pull_prefill_params())
-        p_body.pop("stream_options", None)
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
+    async def _prefill_then_decode(self, kind: str, body: dict, headers: dict, tokens: int, pair: Pair) -> Reply:
+        """P first (pull, named, store flows: router/kv_flow.py), then D with what P's
+        answer and the flow give it."""
+        p_body = kv_flow.prefill_body(pair, body, headers["x-request-id"])
         p_reply, p_inst = await self._with_retries(
-            "prefill", lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], p_body, headers, tokens))
+            "prefill", lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], p_body, headers, tokens),
+            exclude=pair.p_out)
         hold = self.pools["prefill"].lease(p_inst, 0, kv=tokens)  # P keeps the KV until D has it
         d_body = dict(body)
         d_body.pop("ec_transfer_params", None)  # D has no EC connector
-        if p_reply.get("kv_transfer_params"):
-            d_body["kv_transfer_params"] = p_reply["kv_transfer_params"]
-        return await self._decode_holding(kind, d_body, headers, tokens, hold)
+        try:
+            d_params = kv_flow.decode_params(pair, p_inst, p_reply, headers["x-request-id"])
+        except BaseException:
+            hold.release()
+            raise
+        if d_params is not None:
+            d_body["kv_transfer_params"] = d_params
+        return await self._decode_holding(kind, d_body, headers, tokens, hold, pair)
 
-    async def _decode_holding(self, kind: str, d_body: dict, headers: dict, tokens: int, hold: Lease) -> Reply:
+    async def _decode_holding(self, kind: str, d_body: dict, headers: dict, tokens: int, hold: Lease,
+                              pair: Pair) -> Reply:
         """Decode while P's KV hold stays on P's load until D's first byte."""
         try:
-            return await self._decode(kind, "decode", d_body, headers, tokens, on_first_byte=hold.release)
+            return await self._decode(kind, "decode", d_body, headers, tokens, on_first_byte=hold.release,
+                                      exclude=pair.d_out)
         except BaseException:  # D failed or the client went away: P need not wait for its deadline
-            self._free_prefill_kv(d_body.get("kv_transfer_params"))
+            if pair.free == "side-channel":  # ours: P frees at once; the others by lease or TTL
+                self._free_prefill_kv(d_body.get("kv_transfer_params"))
             raise
         finally:
             if d_body.get("stream") is not True:
@@ -297,10 +320,10 @@ class Pipeline:
         future.add_done_callback(self._frees.discard)
 
     # ---- push ----------------------------------------------------------------
-    async def _push(self, kind: str, body: dict, headers: dict, tokens: int, request_id: str) -> Reply:
+    async def _push(self, kind: str, body: dict, headers: dict, tokens: int, request_id: str, pair: Pair) -> Reply:
         """Pick P now, tell the metaserver, send D a callback URL with a one-request ticket."""
         pool = self.pools["prefill"]
-        inst = pool.select()
+        inst = pool.select(pair.p_out)
         if inst is None:
             raise APIError(503, "no active prefill instance", type="service_unavailable", code="no_instance")
         hold = pool.lease(inst, tokens, kv=tokens)
@@ -316,17 +339,18 @@ class Pipeline:
         callback = f"{self.metaserver_url}/v1/metaserver?ticket={answer['ticket']}"
         d_body = dict(body, kv_transfer_params=kv_params.push_decode_params(callback))
         d_body.pop("ec_transfer_params", None)  # for P (through the metaserver), not D
-        return await self._decode_holding(kind, d_body, headers, tokens, hold)
+        return await self._decode_holding(kind, d_body, headers, tokens, hold, pair)
 
     # ---- decode ------------------------------------------------------------
     async def _decode(self, kind: str, role: str, body: dict, headers: dict, tokens: int,
-                      on_first_byte: Callable[[], None] | None = None) -> Reply:
+                      on_first_byte: Callable[[], None] | None = None, exclude: frozenset[str] = frozenset()) -> Reply:
         cost = tokens + max_new_tokens(body)
         started = time.monotonic()
         key = prefix_key(body, self.settings.prefix_chars) if self.settings.prefix_aware else None
         if body.get("stream") is not True:
             result, inst = await self._with_retries(
-                role, lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], body, headers, cost), key)
+                role, lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], body, headers, cost), key,
+                exclude)
             self.metrics.observe_done(started)
             return Reply(body=result, backend=inst.url)
 
@@ -345,7 +369,7 @@ class Pipeline:
             return lease, response, first
 
         try:
-            lease, response, first = await self._with_retries(role, attempt_stream, key)
+            lease, response, first = await self._with_retries(role, attempt_stream, key, exclude)
         except BaseException:
             if on_first_byte:
                 on_first_byte()

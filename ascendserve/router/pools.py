@@ -19,6 +19,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from ascendserve.protocol.kv_connectors import KVInfo
+
 PROBING, ACTIVE, EJECTED, DRAINING = "probing", "active", "ejected", "draining"
 ROLES = ("encoder", "prefill", "decode", "pd")
 KV_WEIGHT = 0.3  # prefill priority = active tokens + 0.3 x KV blocks held for D
@@ -35,6 +37,7 @@ class Instance:
     root: str = ""  # the model path it serves (vLLM's /v1/models `root`): part of every mm_hash
     cards: tuple[dict, ...] = ()  # its /v1/models entries as it sent them (the proxy relays them)
     last_error: str = ""  # why its last probe or health check failed ("" once it answered)
+    kv: KVInfo | None = None  # P and D: its KV connector (its /kv_info, or the registry); None: it did not say
     active_requests: int = 0
     active_tokens: int = 0
     active_kv: int = 0
@@ -54,7 +57,11 @@ class Instance:
                 "instance_id": self.instance_id, "models": list(self.models),
                 "active_requests": self.active_requests, "active_tokens": self.active_tokens,
                 "active_kv": self.active_kv, "failures": self.failures, "served": self.served,
-                "last_error": self.last_error}
+                "last_error": self.last_error, "kv_connector": self.kv.connector if self.kv else ""}
+
+    @property
+    def kv_connector(self) -> str:
+        return self.kv.connector if self.kv is not None else ""
 
 
 class Lease:

@@ -122,7 +122,7 @@ class _Upstream:
         self.table = table
 
     async def get(self, url, timeout_s, headers=None):
-        answer = self.table[url]
+        answer = self.table.get(url, (404, b'{"detail": "Not Found"}'))  # a route it does not serve
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -144,3 +144,16 @@ def test_health_checks_record_why_an_instance_failed():
     for _ in range(3):
         asyncio.run(health.check_all())
     assert inst.state == EJECTED and inst.last_error == "GET http://d/health: 500 engine dead"
+
+
+def test_admission_reads_the_kv_connector_from_kv_info_and_a_plain_vllm_says_none():
+    pools = Pools()
+    ours = pools["prefill"].add("http://p", source="static")
+    plain = pools["decode"].add("http://d", source="static")
+    models = (200, b'{"object": "list", "data": [{"id": "m"}]}')
+    upstream = _Upstream({"http://p/v1/models": models, "http://d/v1/models": models,
+                          "http://p/kv_info": (200, b'{"connector": "nixl", "flow": "pull", "engine_id": "e1"}')})
+    asyncio.run(HealthMonitor(pools, upstream, ProxyConfig()).check_all())
+    assert ours.state == plain.state == ACTIVE
+    assert (ours.kv.connector, ours.kv.flow, ours.kv.engine_id) == ("nixl", "pull", "e1")
+    assert plain.kv is None and plain.kv_connector == ""  # 404: pairs with any connector
