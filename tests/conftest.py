@@ -156,6 +156,7 @@ NO_ENGINE_MODULES = {
     "tests/integration/test_netloader_wire.py",
     "tests/integration/test_doctor.py",
     "tests/integration/test_ec_store_backends.py",
+    "tests/integration/test_install_pins.py",
 }
 # Long runs without an engine, left to the full suite so --quick stays under 3 minutes: the
 # atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick), the
@@ -170,6 +171,8 @@ SLOW_TESTS = (
     "tests/unit/test_vllm_patches.py::test_expert_parallel_ranks_sum_to_the_dense_moe",
     "tests/unit/test_vllm_patches.py::test_without_the_fix_expert_parallel_does_not_match",
     "tests/integration/test_doctor.py::",
+    # resolves the CUDA and Ascend install pins against PyPI (~15 s): needs the network
+    "tests/integration/test_install_pins.py::",
     "tests/unit/test_gloo_device.py::test_two_ranks_share_one_device_per_process",
     # Inductor compiles a C++ kernel: 10-30 s
     "tests/unit/test_compile_cache_patch.py::test_vllm_loads_a_function_stock_inductor_compiled_only_with_the_fix",

@@ -10,6 +10,7 @@ import threading
 import time
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.metadata import version
 
 import pytest
 
@@ -53,7 +54,10 @@ def test_doctor_passes_on_a_ready_host_and_measures_a_peer_clock():
     finally:
         peer.shutdown()
     assert code == 0, checks
-    assert checks["engine"]["status"] == "ok" and "torch" in checks["engine"]["detail"]
+    assert checks["engine"]["status"] == "ok"
+    for dist in ("torch", "transformers"):  # the stack actually installed, as this interpreter sees it
+        assert f"{dist} {version(dist)}" in checks["engine"]["detail"], checks["engine"]
+    assert not any(name.startswith(("npu ", "cuda ", "nccl")) for name in checks)  # --device cpu: no link checks
     assert checks["cpu"]["status"] == "ok"
     assert checks[f"port {free}"]["status"] == "ok"
     assert checks[f"peer 127.0.0.1:{peer.server_port}"]["status"] == "ok"
@@ -80,6 +84,9 @@ def test_doctor_fails_on_a_busy_port_an_unreachable_peer_a_skewed_clock_and_a_mi
     assert clock["status"] == "FAIL", clock
     assert abs(float(re.search(r"= ([+-][0-9.]+) s", clock["detail"]).group(1)) - 30.0) < 1.0, clock
     assert checks["npu"]["status"] == "FAIL"  # no NPU here; nor may the probe have crashed on torch_npu
+    assert checks["cann"]["status"] == "FAIL" and "no CANN toolkit" in checks["cann"]["detail"]
+    # link checks that cannot run say why, and do not fail
+    assert checks["npu links"]["status"] == "skip" and "no /dev/davinci" in checks["npu links"]["detail"]
 
 
 def test_doctor_derives_the_ports_of_a_role_config(tmp_path, text_model):
