@@ -30,6 +30,7 @@ import msgspec
 
 from ascendserve.config import Config, ConfigError, environ
 from ascendserve.engine.host_defaults import is_cpu_host
+from ascendserve.engine.patches import nixl_progress
 from ascendserve.protocol import kv_connectors as kc
 
 INSTALL_HINTS = {
@@ -131,6 +132,8 @@ def kv_env(config: Config) -> dict[str, str]:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.port)
         if is_cpu_host() and "UCX_TLS" not in environ():
             env["UCX_TLS"] = "tcp,self"  # UCX's shared-memory transports fail between engines here
+        if is_cpu_host() and nixl_progress.ENV not in environ():
+            env[nixl_progress.ENV] = "1000"  # NIXL's progress thread would spin a core (engine/patches)
     if "mooncake" in own:
         env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(kv.port)
         env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(max(1, int(kv.ttl_s)))
