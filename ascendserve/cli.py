@@ -5,7 +5,7 @@
     ascendserve version
     ascendserve model tiny --kind text|vl|moe|mla --out DIR   random-weight checkpoint
     ascendserve launch --role ROLE --dp-size N ...    data-parallel ranks of one role
-    ascendserve doctor [--peers host:port,...]        pre-flight check of this host
+    ascendserve doctor [--peers host:port,...] [--npu-peers IP,...]   pre-flight check of this host
 
 This module imports neither torch nor vLLM: control-plane roles and --help
 must start in well under a second.
@@ -65,7 +65,7 @@ def _role_parser(role: str | None) -> argparse.ArgumentParser:
                      "Run one role of a disaggregated LLM serving cluster.\n\nroles:\n" + roles_help
                      + "\n\nother commands:\n  version\n  model tiny --kind text|vl|moe|mla --out DIR"
                      "\n  launch --role ROLE --dp-size N [--dp-size-local L ...]   data-parallel ranks"
-                     "\n  doctor [--peers host:port,...]                          pre-flight check"),
+                     "\n  doctor [--peers host:port,...] [--npu-peers IP,...]     pre-flight check"),
         epilog="Every flag has an environment twin: --port <-> ASCENDSERVE_PORT. "
                "Precedence: defaults < --config file < environment < flags.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -12,16 +12,19 @@ One run measures, on a tiny-but-wide model (16 layers, 8 KV heads of 64, fp32:
 2. TTFT of the same 4k prompt (streamed, max_tokens 2, a fresh prompt each
    time so no prefix cache helps): plain vLLM (monolithic), 1P1D through our
    proxy with our pull connector and our layerwise push connector over each
-   transport, and vLLM's ExampleConnector. P computes on core 0 and D on
+   transport, vLLM's NixlConnector (`--kv-connector nixl`) and vLLM's ExampleConnector. P computes on core 0 and D on
    core 1 (VLLM_CPU_OMP_THREADS_BIND), as if on two hosts. Each 1P1D figure is checked against
    monolithic TTFT + 1.2 x (KV bytes / that transport's measured bandwidth).
 vLLM's own MooncakeConnector is not in the table: on CPU-only torch it dies
 at start-up (torch.accelerator.current_device_index(), an upstream defect).
+What these hosts cannot measure: RDMA, NVLink and HCCS (NIXL and Mooncake run
+over loopback TCP here), and device memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import socket
@@ -150,6 +153,81 @@ def transport_gbps(num_blocks: int, blocks: list[int], repeat: int) -> dict[str,
     return out
 
 
+# ---- vLLM's NixlConnector's data path: NIXL over UCX --------------------------------
+def _page_regions(caches, blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(address, bytes, device) of each block's page in each layer, as vLLM's NIXL worker reads them."""
+    out = []
+    for t in caches.values():
+        per_block = t[0].numel() * t.element_size()
+        out += [(t.data_ptr() + b * per_block, per_block, 0) for b in blocks]
+    return out
+
+
+def _nixl_agent(name: str):
+    from ascendserve.engine.patches import nixl_progress
+
+    os.environ.setdefault(nixl_progress.ENV, "1000")  # as our engine roles set it on a CPU host
+    nixl_progress.apply()
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(num_threads=4))  # vLLM's NIXL worker's settings
+
+
+def _nixl_producer(conn, num_blocks: int, blocks: list[int]) -> None:
+    """P: its pages registered with NIXL; sends its agent metadata and page regions (JSON) and
+    serves D's reads until told to stop."""
+    import json
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    caches = kv_caches(num_blocks, 1)
+    agent = _nixl_agent("bench-p")
+    agent.register_memory(list(caches.values()))
+    conn.send_bytes(agent.get_agent_metadata())
+    conn.send_bytes(json.dumps(_page_regions(caches, blocks)).encode())
+    conn.recv_bytes()  # stop
+    os._exit(0)  # nixl 1.5.1's agent crashes the interpreter's exit
+
+
+def nixl_gbps(num_blocks: int, blocks: list[int], repeat: int) -> float | None:
+    """One request's pages read by D from P through NIXL (what vLLM's NixlConnector does): a
+    READ of every (layer, block) page, P and D in separate processes, UCX over tcp."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("nixl") is None:
+        return None
+    os.environ.setdefault("UCX_TLS", "tcp,self")  # as engine/kv_args sets it on a CPU host
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_nixl_producer, args=(there, num_blocks, blocks))
+    proc.start()
+    try:
+        caches = kv_caches(num_blocks, 2)
+        agent = _nixl_agent("bench-d")
+        agent.register_memory(list(caches.values()))
+        peer = agent.add_remote_agent(here.recv_bytes())
+        remote = agent.get_xfer_descs([tuple(r) for r in json.loads(here.recv_bytes())], "DRAM")
+        local = agent.get_xfer_descs(_page_regions(caches, list(reversed(blocks))), "DRAM")
+        nbytes = sum(r[1] for r in _page_regions(caches, blocks))
+        samples = []
+        for i in range(repeat + 1):
+            t = time.perf_counter()
+            handle = agent.initialize_xfer("READ", local, remote, peer)
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(handle)
+            dt = time.perf_counter() - t
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError("NIXL read failed")
+            if i:
+                samples.append(nbytes / dt / 1e9)
+        return statistics.median(samples)
+    finally:
+        here.send_bytes(b"stop")
+        proc.join(30)
+
+
 # ---- end to end ----------------------------------------------------------------
 def build_model(root: Path) -> Path:
     from ascendserve.models.tiny import TinySpec, build
@@ -235,6 +313,8 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, f
                      proxy_extra=("--mode", "push", "--metaserver-url", meta.url))
     finally:
         meta.stop()
+    if importlib.util.find_spec("nixl") is not None:
+        pair([("1P1D nixl (vLLM NixlConnector)", "tcp")], "nixl")
     kv_dir = logs / "example-kv"
     pair([("1P1D vLLM ExampleConnector", "tcp")], "example", p_extra=("--kv-path", str(kv_dir)))
     return out
@@ -257,11 +337,15 @@ def main() -> None:
     floors = {"raw TCP socket (loopback)": raw_socket_gbps(kv_bytes, args.repeat),
               "memcpy (numpy, 1 thread)": memcpy_gbps(kv_bytes, args.repeat)}
     ours = transport_gbps(num_blocks, blocks, args.repeat)
+    nixl = nixl_gbps(num_blocks, blocks, args.repeat)
+    if nixl is not None:
+        ours["nixl"] = nixl
     tcp_floor, mem_floor = floors["raw TCP socket (loopback)"], floors["memcpy (numpy, 1 thread)"]
     rows = [[k, v, "floor"] for k, v in floors.items()]
     for name, v in ours.items():
         ref = mem_floor if name == "shm" else tcp_floor
-        rows.append([f"ascendserve {name}", v, f"{v / ref:.2f}x {'memcpy' if name == 'shm' else 'raw socket'}"])
+        label = "vLLM NixlConnector's path: NIXL 1.5.1, UCX tcp" if name == "nixl" else f"ascendserve {name}"
+        rows.append([label, v, f"{v / ref:.2f}x {'memcpy' if name == 'shm' else 'raw socket'}"])
     text = table(f"KV bandwidth, one {kv_bytes / 2**20:.0f} MiB request (GB/s, median of {args.repeat})",
                  ["path", "GB/s", "ratio"], rows)
     result = {"tokens": args.tokens, "kv_bytes": kv_bytes, "floors_gbps": floors, "transports_gbps": ours}
@@ -275,7 +359,7 @@ def main() -> None:
         mono = e2e["monolithic (plain vLLM)"]
         rows = []
         for label, v in e2e.items():
-            transport = next((t for t in TRANSPORTS if f" {t}" in label), None)
+            transport = next((t for t in (*TRANSPORTS, "nixl") if f" {t}" in label), None)
             bound = mono + 1.2 * kv_bytes / (ours[transport] * 1e9) if transport in ours and "1P1D" in label else None
             rows.append([label, v, f"{v / mono:.2f}x", f"{bound:.3f}" if bound else "-",
                          ("ok" if v <= bound else "over") if bound else "-"])

@@ -27,6 +27,16 @@ REPEAT_FACTOR = 2.0
 REPEAT_FLOOR_S = 3.0
 
 
+# One prompt of each length that matters to a KV hand-off: a single token (nothing for D to
+# read), under a block, several blocks, thousands of tokens (several prefill chunks).
+LENGTHS = {
+    "1-token": "a",
+    "short": "Short prompt about the sea.",
+    "multi-block": "The lighthouse keeper climbed the stairs every night. " * 12,
+    "thousands": "".join(f"Line {i}: the quick brown fox jumps over the lazy dog. " for i in range(60)),  # ~3.3k
+}
+
+
 def text(seed: int, n: int) -> str:
     """n tokens of printable text, the same for the same seed."""
     rng = random.Random(seed)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.procs import ascendserve, completion_ids, concurrent_ids, control, kv_usage, start_all, wait_for
-from tests.traffic import BF16_TIE_NATS, assert_greedy, check_user_traffic, completion, completion_body
+from tests.traffic import BF16_TIE_NATS, LENGTHS, assert_greedy, check_user_traffic, completion, completion_body
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
@@ -102,12 +102,7 @@ def cluster(text_model, text_oracle, tmp_path_factory):
         p.stop()
 
 
-@pytest.mark.parametrize("prompt", [
-    "a",
-    "Short prompt about the sea.",
-    "The lighthouse keeper climbed the stairs every night. " * 12,
-    "".join(f"Line {i}: the quick brown fox jumps over the lazy dog. " for i in range(60)),  # ~3.3k tokens
-], ids=["1-token", "short", "multi-block", "thousands"])
+@pytest.mark.parametrize("prompt", list(LENGTHS.values()), ids=list(LENGTHS))
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_nixl_equals_plain_vllm(cluster, prompt, stream):
     c = cluster

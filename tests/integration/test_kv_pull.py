@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.procs import ascendserve, completion_ids, concurrent_ids, control, kv_usage, start_all, wait_for
-from tests.traffic import (BF16_TIE_NATS, assert_greedy, check_mixed, check_repeats, check_shared_prefixes,
-                           check_user_traffic, completion_body, text)
+from tests.traffic import (BF16_TIE_NATS, LENGTHS, assert_greedy, check_mixed, check_repeats,
+                           check_shared_prefixes, check_user_traffic, completion_body, text)
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-test-token"
@@ -85,12 +85,7 @@ def metric(proc, name: str) -> float:
     return sum(values)
 
 
-@pytest.mark.parametrize("prompt", [
-    "a",
-    "Short prompt about the sea.",
-    "The lighthouse keeper climbed the stairs every night. " * 12,
-    "".join(f"Line {i}: the quick brown fox jumps over the lazy dog. " for i in range(60)),  # ~3.3k tokens
-], ids=["1-token", "short", "multi-block", "thousands"])
+@pytest.mark.parametrize("prompt", list(LENGTHS.values()), ids=list(LENGTHS))
 def test_pull_equals_plain_vllm(pull_cluster, prompt):
     c = pull_cluster
     before = pulls(c)

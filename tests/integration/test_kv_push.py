@@ -22,17 +22,12 @@ import pytest
 
 from tests.procs import (completion_ids, concurrent_ids, control, crash, kv_usage, pd_cluster, signal_group, start_all,
                          wait_for)
-from tests.traffic import check_mixed, check_repeats, check_shared_prefixes, text
+from tests.traffic import LENGTHS, check_mixed, check_repeats, check_shared_prefixes, text
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-push-token"
 MAX_TOKENS = 16
-PROMPTS = {
-    "1-token": "a",
-    "short": "Short prompt about the sea.",
-    "multi-block": "The lighthouse keeper climbed the stairs every night. " * 12,
-    "thousands": "".join(f"Line {i}: the quick brown fox jumps over the lazy dog. " for i in range(60)),
-}
+PROMPTS = LENGTHS
 
 
 TRANSPORTS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
