@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from ascendserve.engine import host_defaults
 from ascendserve.launch.children import kill_group
 from tests import memory, shared_tls
 from tests.ports import free_port, free_port_run  # noqa: F401 (per-worker ports; re-exported for the tests)
@@ -334,10 +335,15 @@ def plain_vllm(model: Path, log_dir: Path, *extra: str, name: str = "vllm", env:
                tuned: bool = True) -> Proc:
     """Plain vLLM; tuned=False: vLLM's defaults (dtype auto, compilation on), like an untuned
     ascendserve engine, and only the KV size (vLLM's own default cannot start here) and the idle
-    readers' nap from ENGINE_ENV."""
+    readers' nap from ENGINE_ENV. On a CPU without bf16 instructions an untuned ascendserve engine
+    runs float32 (engine.host_defaults.engine_dtype: bf16 may die with SIGILL there) while vLLM's
+    auto still picks bf16, so the untuned oracle is given float32 there too: the same dtype, or
+    the tokens would not compare (CI of 2026-12-04 on an AMD EPYC without avx512_bf16: the
+    tarball's untuned 1P1D and the MoE untuned 1P1D differed from the oracle from token 0/9)."""
     port = free_port()
+    same_dtype = () if tuned or host_defaults.cpu_has_bf16() else ("--dtype", "float32")
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *(ENGINE_ARGS if tuned else ()), *extra]
+            "--host", "127.0.0.1", "--port", str(port), *(ENGINE_ARGS if tuned else ()), *same_dtype, *extra]
     # its ZMQ sockets in a directory of its own, removed at its stop (vLLM leaves those of the
     # workers it force-kills in /tmp; our engine roles do the same for themselves)
     return Proc(name, argv, port, log_dir / f"{name}.log", {"VLLM_RPC_BASE_PATH": str(plain_ipc_dir(port)),
