@@ -39,7 +39,8 @@ def _ports(args, env: dict[str, str]) -> tuple[str, list[int]]:
         config = load(args.role, args.config, {}, env)
         host = host or config.server.host
         ports.append(config.server.port)
-        if config.is_engine and config.kv.connector in ("pull", "push"):
+        if config.role in ("prefill", "decode") and config.kv.connector != "example":
+            # the side channel (ours, NIXL) or bootstrap/handshake port (Mooncake's) of each TP rank
             ports += [config.kv.port + r for r in range(config.engine.tensor_parallel_size)]
         if config.role == "all":
             ports.append(config.server.port + 1)

@@ -188,11 +188,13 @@ CHAT = [{"role": "user", "content": "Say hello in three words."}]
 
 
 def _answers(url: str, model: str) -> dict:
-    """Greedy token ids of each prompt, the first one again (a prefix-cache hit), and a chat reply."""
-    out = {prompt: completion_ids(url, model, prompt, max_tokens=12) for prompt in PROMPTS}
-    out["again: " + PROMPTS[0]] = completion_ids(url, model, PROMPTS[0], max_tokens=12)
+    """Greedy token ids of each prompt, the first one again (a prefix-cache hit), and a chat reply;
+    12 tokens each (ignore_eos: in float32, on a host without bf16, the tiny model may end early)."""
+    out = {prompt: completion_ids(url, model, prompt, max_tokens=12, ignore_eos=True) for prompt in PROMPTS}
+    out["again: " + PROMPTS[0]] = completion_ids(url, model, PROMPTS[0], max_tokens=12, ignore_eos=True)
     r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+        "model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "return_token_ids": True,
+        "ignore_eos": True})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     out["chat"] = choice.get("token_ids") or choice["message"]["content"]
