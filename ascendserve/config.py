@@ -460,27 +460,12 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
 
 
 def _check_kv_connector(config: Config) -> None:
-    """Refuse a `[kv]` connector setting that cannot work, naming it (protocol/kv_connectors.py)."""
     from ascendserve.protocol import kv_connectors as kc
 
     kv = config.kv
-    why = kc.check_name(kv.connector)
+    why = kc.setting_why_not(kv.connector, kv.connectors, bool(kv.extra), config.engine.data_parallel_size)
     if why:
         raise ConfigError(why)
-    if kv.connector == kc.MULTI:
-        why = kc.multi_why_not(kv.connectors)
-        if why:
-            raise ConfigError(why)
-    elif kv.connectors:
-        raise ConfigError(f"kv.connectors is for kv.connector = 'multi', not {kv.connector!r}")
-    if kv.extra and kv.connector in ("example", *kc.OURS):
-        raise ConfigError(f"[kv.extra] is for the engines' connectors; kv.connector = {kv.connector!r} is "
-                          "configured by the [kv] settings themselves")
-    if "mooncake" in (kv.connectors if kv.connector == kc.MULTI else [kv.connector]) \
-            and config.engine.data_parallel_size > 1:
-        raise ConfigError("kv.connector 'mooncake' (vLLM's MooncakeConnector) takes one engine per instance: P "
-                          "answers with no kv_transfer_params, so the proxy could not tell D which data-parallel "
-                          "rank holds the blocks; run the ranks as instances of their own (data_parallel_size = 1)")
 
 
 def _check_parallel(config: Config) -> None:

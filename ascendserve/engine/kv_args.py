@@ -104,15 +104,10 @@ def buffer_device(setting: str) -> str:
     return "npu" if glob.glob("/dev/davinci[0-9]*") else "cuda"
 
 
-def names(config: Config) -> list[str]:
-    kv = config.kv
-    return list(kv.connectors) if kv.connector == kc.MULTI else [kv.connector]
-
-
 def check(config: Config) -> None:
     """Refuse a connector whose package is not installed on this host (ConfigError naming it
     and how to install it); config.py has refused the combinations that cannot work anywhere."""
-    for name in names(config):
+    for name in kc.members(config.kv.connector, config.kv.connectors):
         spec = kc.CONNECTORS.get(name)
         if spec is not None and importlib.util.find_spec(spec.package) is None:
             raise ConfigError(f"kv.connector {name!r} needs the Python package {spec.package!r}, which is not "
@@ -125,7 +120,8 @@ def kv_env(config: Config) -> dict[str, str]:
     if config.role not in ("prefill", "decode"):
         return {}
     check(config)
-    kv, own = config.kv, names(config)
+    kv = config.kv
+    own = kc.members(kv.connector, kv.connectors)
     env: dict[str, str] = {}
     if "nixl" in own:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.cluster.advertise_host

@@ -120,19 +120,23 @@ class KVInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
         return None
 
 
-def check_name(name: str) -> str | None:
-    """Why `name` is not a connector `[kv] connector` can take (None: it is)."""
-    if name in NAMES or CUSTOM.match(name):
-        return None
-    return (f"kv.connector = {name!r}: want one of {', '.join(NAMES)}, or module.path:ClassName "
-            "(a connector of your own, with a [kv.extra] table)")
+def members(name: str, children: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The connectors a setting runs: `multi`'s children, else the one named."""
+    return list(children) if name == MULTI else [name]
 
 
-def multi_why_not(children: list[str] | tuple[str, ...]) -> str | None:
-    """Why these cannot be the connectors of `multi` (None: they can): two or more, each
-    a row that may share a request, at most one of them moving KV from P to D."""
+def setting_why_not(name: str, children: list[str] | tuple[str, ...], has_extra: bool,
+                    data_parallel_size: int = 1) -> str | None:
+    """Why a `[kv]` setting cannot work anywhere (None: it can), naming it: an unknown name,
+    `multi` of fewer than two, of a push connector, of one twice or of two that each move KV
+    from P to D, kv.connectors without multi, [kv.extra] for ours, vLLM's mooncake with DP."""
     allowed = ", ".join(n for n, c in CONNECTORS.items() if c.multi_ok)
-    if len(children) < 2:
+    if name not in NAMES and not CUSTOM.match(name):
+        return (f"kv.connector = {name!r}: want one of {', '.join(NAMES)}, or module.path:ClassName "
+                "(a connector of your own, with a [kv.extra] table)")
+    if name != MULTI and children:
+        return f"kv.connectors is for kv.connector = 'multi', not {name!r}"
+    if name == MULTI and len(children) < 2:
         return f"kv.connector = 'multi' needs kv.connectors, two or more of {allowed} (--kv-connectors a b)"
     for child in children:
         spec = CONNECTORS.get(child)
@@ -145,6 +149,13 @@ def multi_why_not(children: list[str] | tuple[str, ...]) -> str | None:
     if len(moving) > 1:
         return (f"kv.connectors: {', '.join(moving)} each move KV from P to D and P answers with one set of "
                 "kv_transfer_params; 'multi' takes one of them plus KV pools (ascend-store, lmcache)")
+    if has_extra and name in ("example", *OURS):
+        return (f"[kv.extra] is for the engines' connectors; kv.connector = {name!r} is configured by the "
+                "[kv] settings themselves")
+    if "mooncake" in members(name, children) and data_parallel_size > 1:
+        return ("kv.connector 'mooncake' (vLLM's MooncakeConnector) takes one engine per instance: P answers "
+                "with no kv_transfer_params, so the proxy could not tell D which data-parallel rank holds the "
+                "blocks; run the ranks as instances of their own (data_parallel_size = 1)")
     return None
 
 

@@ -9,6 +9,7 @@ each side runs, and the proxy logs it once per change.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -38,9 +39,11 @@ class Pairing:
         self.default_flow = default_flow  # [proxy] mode: for P and D that say nothing
         self._warned: tuple | None = None
 
-    def pair(self, prefill: list[Instance], decode: list[Instance], first: Instance | None) -> Pair:
-        """The pair for a request over the active P and D; `first` is the P the pools would
-        pick among those that can pair (None: pick here). APIError 503 when none can."""
+    def pair(self, prefill: list[Instance], decode: list[Instance],
+             pick: Callable[[frozenset[str]], Instance | None]) -> Pair:
+        """The pair for a request over the active P and D, by the connector of the P that
+        `pick` (the prefill pool's choice, skipping the given URLs) takes among those that can
+        pair. APIError 503 when none can."""
         d_connectors = {i.kv_connector for i in decode}
         usable = [i for i in prefill if "" in d_connectors or not i.kv_connector or i.kv_connector in d_connectors]
         if not usable:
@@ -53,20 +56,13 @@ class Pairing:
                            f"{', '.join(p_side)}, decode runs {', '.join(d_side)}; start both with the same "
                            "--kv-connector", type="service_unavailable", code="kv_connector_mismatch")
         self._warned = None
-        p = first if first in usable else usable[0]
+        p = pick(frozenset(i.url for i in prefill) - {i.url for i in usable}) or usable[0]
         info = p.kv or next((i.kv for i in decode if i.kv is not None), None)
         if info is None:
             return Pair("", self.default_flow, "none")  # never speak to a side channel we do not know
         return Pair(info.connector, info.flow, info.free,
                     frozenset(i.url for i in prefill if i.kv_connector not in ("", info.connector)),
                     frozenset(i.url for i in decode if i.kv_connector not in ("", info.connector)))
-
-    def excluded(self, prefill: list[Instance], decode: list[Instance]) -> frozenset[str]:
-        """P instances that cannot pair with any active D (for the pools' pick)."""
-        d_connectors = {i.kv_connector for i in decode}
-        if "" in d_connectors:
-            return frozenset()
-        return frozenset(i.url for i in prefill if i.kv_connector and i.kv_connector not in d_connectors)
 
 
 def prefill_body(pair: Pair, body: dict, request_id: str) -> dict:

@@ -140,9 +140,8 @@ class Pipeline:
     def _pair(self) -> Pair:
         """This request's KV connector and flow, and the P and D that cannot take part
         (router/kv_flow.py): 503 when no prefill and decode share a connector."""
-        prefill, decode = self.pools["prefill"].active(), self.pools["decode"].active()
-        first = self.pools["prefill"].select(self.pairing.excluded(prefill, decode))
-        return self.pairing.pair(prefill, decode, first)
+        return self.pairing.pair(self.pools["prefill"].active(), self.pools["decode"].active(),
+                                 self.pools["prefill"].select)
 
     # ---- retries -----------------------------------------------------------
     async def _with_retries(self, role: str, attempt: Callable[[Pool, Instance], Awaitable],
