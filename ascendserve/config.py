@@ -170,6 +170,10 @@ class ProxyConfig(_Section):
     prefix_slack_tokens: NonNegative = 0.0  # how much busier the prefix-affine instance may be
     max_retries: Annotated[int, Meta(ge=0, le=20)] = 3
     retry_backoff_s: NonNegative = 0.05
+    # a decode/pd instance that fails mid-generation: the request continues on another one with the
+    # tokens generated so far (router/ledger.py), at most this many times; 0: end the stream with an error
+    migration_limit: Annotated[int, Meta(ge=0, le=20)] = 3
+    stall_timeout_s: Seconds = 30.0  # no event from a generating instance for this long: it failed
     request_timeout_s: Seconds = 600.0
     connect_timeout_s: Seconds = 5.0
     health_interval_s: Seconds = 5.0

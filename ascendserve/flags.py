@@ -101,6 +101,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--mm-hash-algorithm", "proxy.mm_hash_algorithm", "the engines' --mm-hasher-algorithm: blake3 | sha256 | sha512", ("proxy",)),
     Flag("--prefix-aware", "proxy.prefix_aware", "same prompt prefix -> same decode/pd instance while load allows", ("proxy",), switch=True),
     Flag("--max-retries", "proxy.max_retries", "retries of a failed hop before the first byte", ("proxy",)),
+    Flag("--migration-limit", "proxy.migration_limit", "continuations of one request on another instance after a failure mid-generation (0: off)", ("proxy",)),
+    Flag("--stall-timeout", "proxy.stall_timeout_s", "seconds without an event from a generating instance before the request moves on", ("proxy",)),
     Flag("--api-key", "proxy.api_keys", "accepted client API key(s)", ("proxy", "all"), many=True),
     Flag("--encoder", "proxy.encoder", "static encoder instances host:port", ("proxy",), many=True),
     Flag("--prefill", "proxy.prefill", "static prefill instances host:port", ("proxy",), many=True),

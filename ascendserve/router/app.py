@@ -221,7 +221,8 @@ def create_app(config: Config) -> Litestar:
     health_ = HealthMonitor(pools, upstream, settings)
     pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
                         config.cluster.metaserver_url, config.cluster.token,
-                        ECLookup.from_config(config.ec, settings.mm_hash_algorithm))
+                        ECLookup.from_config(config.ec, settings.mm_hash_algorithm), health_.suspect,
+                        health_.wake)
     watch = None
     if config.cluster.metaserver_url:
         watch = RegistryWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,

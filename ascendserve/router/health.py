@@ -50,6 +50,13 @@ class HealthMonitor:
                         url=inst.url, role=inst.role, failures=inst.failures)
             self._wake.set()
 
+    def suspect(self, inst: Instance) -> None:
+        """`inst` went silent mid-generation past the stall deadline (router/migrate.py): ejected at
+        once unless it is the last of its role, and checked now (re-admitted when it answers)."""
+        inst.failures = max(inst.failures, self.settings.eject_after - 1)
+        self.report_failure(inst)
+        self._wake.set()
+
     async def run(self) -> None:
         while True:
             await self.check_all()

@@ -47,6 +47,10 @@ class ProxyMetrics:
                                      registry=r)
         self.ec_store_errors = Counter("ascendserve_proxy_ec_store_errors",
                                        "EC store lookups that failed (the encoder was asked instead)", registry=r)
+        self.migrations = Counter("ascendserve_proxy_migrations", "requests continued on another instance after "
+                                  "a failure mid-generation, by role and reason", ["role", "reason"], registry=r)
+        self.migration_gap = Histogram("ascendserve_proxy_migration_gap_seconds", "from an instance's failure to "
+                                       "the next token of the continued request", buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("ascendserve_proxy_ttft_seconds", "time to first streamed byte",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("ascendserve_proxy_e2e_seconds", "end-to-end request latency",

@@ -43,11 +43,12 @@ from ascendserve.protocol.wire import decode_json
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
                                          only_part, prefix_key)
 from ascendserve.connectors.ec.memcached import StoreError
-from ascendserve.router import kv_flow
+from ascendserve.router import kv_flow, ledger
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.kv_flow import Pair, Pairing
 from ascendserve.router.media import encoder_tokens, image_size, part_url
 from ascendserve.router.metrics import ProxyMetrics
+from ascendserve.router.migrate import Generation, Leg
 from ascendserve.router.pools import Instance, Lease, Pool, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
 
@@ -99,11 +100,14 @@ def sse_error(message: str, code: int = 502) -> bytes:
 class Pipeline:
     def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig, metrics: ProxyMetrics,
                  on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = "",
-                 ec_lookup: ECLookup | None = None):
+                 ec_lookup: ECLookup | None = None, on_stall: Callable[[Instance], None] | None = None,
+                 check_now: Callable[[], None] | None = None):
         self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
         self.ec_lookup = ec_lookup
         self._roots_warned = False
         self.on_unreachable = on_unreachable
+        self.on_stall = on_stall or on_unreachable
+        self.check_now = check_now or (lambda: None)
         self.metaserver_url = metaserver_url.rstrip("/")
         self.metaserver_headers = {"authorization": f"Bearer {cluster_token}"} if cluster_token else {}
         self.cluster_token = cluster_token
@@ -346,6 +350,8 @@ class Pipeline:
         cost = tokens + max_new_tokens(body)
         started = time.monotonic()
         key = prefix_key(body, self.settings.prefix_chars) if self.settings.prefix_aware else None
+        if self.settings.migration_limit and ledger.why_not_migratable(kind, body) is None:
+            return await self._generate(kind, role, body, headers, cost, started, key, on_first_byte, exclude)
         if body.get("stream") is not True:
             result, inst = await self._with_retries(
                 role, lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], body, headers, cost), key,
@@ -378,6 +384,107 @@ class Pipeline:
         self.metrics.ttft.observe(time.monotonic() - started)
         return Reply(stream=self._relay(lease, response, first, started, kind, headers["x-request-id"]),
                      backend=lease.instance.url)
+
+    # ---- a generation that survives its instance (router/ledger.py, router/migrate.py) ----
+    async def _generate(self, kind: str, role: str, body: dict, headers: dict, cost: int, started: float,
+                        key: bytes | None, on_first_byte: Callable[[], None] | None, exclude: frozenset[str]) -> Reply:
+        led = ledger.Ledger(kind, body)
+        request_id = headers["x-request-id"]
+
+        async def open_leg(leg_role: str, leg_body: dict, tried: frozenset[str]):
+            path = PATHS[kind] if not led.on_continuation else PATHS["completions"]
+            return await self._with_retries(
+                leg_role, lambda pool, inst: self._open_leg(pool, inst, path, leg_body, headers, cost),
+                key if not led.on_continuation else None, tried)
+
+        try:
+            leg, evs, done = await open_leg(role, ledger.backend_body(body), exclude)
+        finally:
+            if on_first_byte:
+                on_first_byte()
+        if led.stream:
+            self.metrics.ttft.observe(time.monotonic() - started)
+        gen = Generation(led, role, leg, evs, done, open_leg, self._pick, self._detokenize, self.settings,
+                         self.metrics, self._stalled, lambda inst: self.check_now(), request_id)
+        if led.stream:
+            return Reply(stream=self._relay_generation(gen, started, kind, request_id), backend=leg.instance.url)
+        async for _ in gen.run():
+            pass
+        if gen.error:
+            raise APIError(502, gen.error, type="service_unavailable", code="backend_failed")
+        self.metrics.observe_done(started)
+        return Reply(body=led.response(), backend=gen.leg.instance.url)
+
+    async def _open_leg(self, pool: Pool, inst: Instance, path: str, body: dict, headers: dict, cost: int):
+        """Open one engine stream and read its first whole events; an error event first is a
+        failed hop like a 5xx (retried elsewhere; a 4xx one goes to the client)."""
+        lease = pool.lease(inst, cost)
+        try:
+            response = await self.upstream.open_stream(inst.url + path, body, headers)
+            leg = Leg(lease, response, SSEFramer())
+            try:
+                evs, done, ended = await leg.next_events(self.settings.request_timeout_s)
+                while not evs and not done and not ended:
+                    evs, done, ended = await leg.next_events(self.settings.request_timeout_s)
+                if not evs:
+                    raise UpstreamError(inst.url, None, "stream ended before the first event")
+                first = evs[0]
+                if "error" in first or first.get("object") == "error":
+                    err = first.get("error") if isinstance(first.get("error"), dict) else first
+                    code = err.get("code")
+                    status = int(code) if str(code).isdigit() else 502
+                    raise UpstreamError(inst.url, status if status >= 400 else 502,
+                                        f"error event first: {str(err.get('message'))[:200]}",
+                                        msgspec.json.encode(first))
+            except ledger.BackendFailed as failed:
+                response.close()
+                raise UpstreamError(inst.url, None, f"stream broke before the first event: {failed.detail}") from None
+            except BaseException:
+                response.close()
+                raise
+        except BaseException:
+            lease.release(ok=False)
+            raise
+        return leg, evs, done
+
+    def _pick(self, role: str, tried: frozenset[str]) -> Instance | None:
+        pool = self.pools[role]
+        return pool.select(tried) or pool.select()
+
+    async def _detokenize(self, inst: Instance | None, ids: list[int]) -> str | None:
+        """The text of token ids, from an engine's /detokenize (None if it cannot say)."""
+        if inst is None:
+            return None
+        try:
+            reply = await self.upstream.post_json(inst.url + "/detokenize", {"model": inst.models[0] if inst.models
+                                                                             else "", "tokens": ids}, {})
+        except UpstreamError as exc:
+            log.info("detokenize failed", url=inst.url, detail=exc.detail[:200])
+            return None
+        text = reply.get("prompt") if isinstance(reply, dict) else None
+        return text if isinstance(text, str) else None
+
+    def _stalled(self, inst: Instance) -> None:
+        """An instance went silent past the stall deadline while generating: check its health now."""
+        log.warning("instance stalled; checking its health now", url=inst.url, role=inst.role)
+        self.on_stall(inst)
+
+    async def _relay_generation(self, gen: Generation, started: float, kind: str, request_id: str):
+        outcome = "backend_failed"
+        try:
+            async for out in gen.run():
+                yield out
+            if not gen.error:
+                outcome = "ok"
+                self.metrics.observe_done(started)
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client_disconnected"
+            self.metrics.cancelled.inc()
+            raise
+        finally:
+            log.info("request", request_id=request_id, route=kind, status=200, stream=True,
+                     backend=gen.leg.instance.url, outcome=outcome, migrations=gen.ledger.migrations,
+                     duration_ms=round((time.monotonic() - started) * 1000, 2))
 
     async def _relay(self, lease: Lease, response, first: bytes, started: float, kind: str, request_id: str):
         ok = False

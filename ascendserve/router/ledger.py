@@ -1,0 +1,396 @@
+"""The token ledger of one relayed generation, and the splice of a continuation onto it.
+
+For every request it can continue elsewhere (`why_not_migratable` is None) the proxy asks the
+decode/pd engine for a stream with the token ids (`return_token_ids`) and the usage, whatever the
+client asked, and learns from it the prompt's and every generated token id. What the client gets
+is what plain vLLM would have sent it: the fields it did not ask for are stripped, and a
+non-streaming request is answered with one JSON body assembled from the stream.
+
+When the engine fails before the request is finished, `continuation()` is a token-id completion
+(prompt + the tokens generated so far, the tokens that remain, the same sampling parameters) for
+another instance, and `feed()` splices its events onto the client's response: the same id,
+`created` and choice index, the text offsets of logprobs continued, chat chunks rebuilt from the
+completion events (a chat continues as token ids: no template is applied twice), one final
+`finish_reason`, and the usage of the whole request (prompt counted once). The text vLLM held back
+at the cut (it keeps the last len(stop) - 1 characters while a stop string may still match) is
+recovered through the engine's /detokenize (`recover()`), and a stop string that straddles the
+cut still ends the answer.
+
+Requests it cannot continue token-exactly are relayed as before (an error event if the engine dies
+mid-stream): n > 1 or several prompts, echo, tools, structured outputs, and a chat whose engine
+parses reasoning or tool calls (seen in the stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+# Sampling/output keys of a chat request that a completion does not take, or takes differently.
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs",
+              "add_generation_prompt", "continue_final_message", "documents", "top_logprobs", "logprobs",
+              "max_completion_tokens", "response_format", "reasoning_effort", "include_reasoning",
+              "mm_processor_kwargs", "return_prompt_text", "functions", "function_call")
+_NEVER_CONTINUED = ("prompt_logprobs", "truncate_prompt_tokens", "kv_transfer_params", "ec_transfer_params",
+                    "stream_options", "echo", "suffix", "n", "best_of")
+_STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "response_format")
+
+
+class BackendFailed(Exception):
+    """The engine's stream broke: an error event, or it ended before the request finished."""
+
+    def __init__(self, reason: str, detail: str, status: int | None = None):
+        super().__init__(detail)
+        self.reason, self.detail, self.status = reason, detail, status
+
+
+def why_not_migratable(kind: str, body: dict) -> str | None:
+    """None when a failure mid-generation can be continued token-exactly elsewhere; else why not."""
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+        return "n > 1"
+    if body.get("echo"):
+        return "echo"
+    for key in _STRUCTURED:
+        value = body.get(key)
+        if value and not (key == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+            return "structured output"
+    if kind == "chat":
+        if body.get("tools") and body.get("tool_choice") != "none":
+            return "tools"
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        return None
+    return "several prompts"
+
+
+def backend_body(body: dict) -> dict:
+    """What the engine is asked for: a stream with the token ids and the usage."""
+    options = body.get("stream_options") if body.get("stream") is True else None
+    continuous = bool(isinstance(options, dict) and options.get("continuous_usage_stats"))
+    return dict(body, stream=True, return_token_ids=True,
+                stream_options={"include_usage": True, **({"continuous_usage_stats": True} if continuous else {})})
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    return tuple(s for s in stop if isinstance(s, str) and s) if isinstance(stop, list) else ()
+
+
+@dataclass
+class Ledger:
+    kind: str  # chat | completions
+    body: dict  # the client's request
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # the text (content) sent to the client, or assembled for it
+    finish_reason: str | None = None
+    stop_reason: object = None
+    usage: dict | None = None
+    head: dict = field(default_factory=dict)  # id, object, created, model of the client's response
+    migrations: int = 0
+    leg_base: int = 0  # tokens generated before the current leg (0 on the first)
+    next_offset: int = 0  # completions logprobs: text_offset of the next token
+    leg_offset: int = 0  # ... when the current leg began (its own offsets start at 0)
+    held: str = ""  # text recovered at a cut that may begin a stop string: not sent yet
+    logprobs: list = field(default_factory=list)  # non-streaming: every event's logprobs, to join
+    template: dict | None = None  # chat: the first leg's last choice, the shape of a rebuilt chunk
+    not_migratable: str | None = None  # learned from the stream (a reasoning or tool parser)
+    fingerprint: str | None = None  # the engine's system_fingerprint
+    final: dict | None = None  # the terminal event, held until the usage event stamps it
+
+    def __post_init__(self):
+        self.stream = self.body.get("stream") is True
+        self.want_ids = bool(self.body.get("return_token_ids"))
+        options = self.body.get("stream_options") if self.stream else None
+        self.want_usage = not self.stream or bool(isinstance(options, dict) and options.get("include_usage"))
+        self.stops = _stops(self.body)
+        self.include_stop = bool(self.body.get("include_stop_str_in_output"))
+        self.limit = self.body.get("max_tokens") if self.kind == "completions" else \
+            self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+
+    # ---- the engine's events -> the client's ---------------------------------
+    @property
+    def on_continuation(self) -> bool:
+        return self.migrations > 0
+
+    def feed(self, event: dict) -> list[dict]:
+        """One parsed event of the current leg; the events the client gets for it (maybe none).
+        Raises BackendFailed on an error event."""
+        if "error" in event or event.get("object") == "error":
+            err = event.get("error") if isinstance(event.get("error"), dict) else event
+            code = err.get("code")
+            status = int(code) if isinstance(code, int) or (isinstance(code, str) and code.isdigit()) else None
+            raise BackendFailed("error_event", str(err.get("message", err))[:300], status)
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            return []
+        if not self.head:
+            self.head = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
+        if not choices:  # the usage event (choices [])
+            return self._usage_event(event)
+        choice = choices[0]
+        if self.prompt_ids is None:
+            ids = event.get("prompt_token_ids") if self.kind == "chat" else choice.get("prompt_token_ids")
+            if isinstance(ids, list):
+                self.prompt_ids = ids
+        ids = choice.get("token_ids") or []
+        self.generated.extend(ids)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        if self.on_continuation:
+            return self._continued(event, choice)
+        if self.kind == "chat":
+            delta = choice.get("delta") or {}
+            if delta.get("tool_calls") or delta.get("reasoning") or delta.get("reasoning_content"):
+                self.not_migratable = "the engine parses reasoning or tool calls"
+            self.text += delta.get("content") or ""
+            if "role" not in delta:
+                self.template = choice
+        else:
+            self.text += choice.get("text") or ""
+            self._advance_offset(choice.get("logprobs"))
+        return self._to_client(event, choice)
+
+    def _advance_offset(self, logprobs) -> None:
+        if isinstance(logprobs, dict) and logprobs.get("tokens"):
+            self.next_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+    def _to_client(self, event: dict, choice: dict) -> list[dict]:
+        if "system_fingerprint" in event:
+            self.fingerprint = event["system_fingerprint"]
+        if not self.stream:
+            if choice.get("logprobs") is not None:
+                self.logprobs.append(choice["logprobs"])
+            if event.get("usage"):
+                self.usage = event["usage"]
+            return []
+        if not self.want_ids:  # vLLM sends these keys as null when they were not asked for
+            for holder, key in ((choice, "token_ids"), (choice, "prompt_token_ids"), (event, "prompt_token_ids")):
+                if key in holder:
+                    holder[key] = None
+            if self.kind == "chat" and choice.get("delta") == {} and choice.get("finish_reason") is None \
+                    and choice.get("logprobs") is None:
+                return []  # sent only because token ids were asked for
+        if choice.get("finish_reason") is not None and not self.want_usage:
+            self.final = event  # vLLM stamps its fingerprint here when no usage event follows: wait for it
+            return []
+        return [event]
+
+    def flush_final(self) -> list[dict]:
+        """The held terminal event, when the usage event that would stamp it never came."""
+        final, self.final = self.final, None
+        return [final] if final is not None else []
+
+    def _usage_event(self, event: dict) -> list[dict]:
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.usage = self._whole(usage)
+            event["usage"] = self.usage
+        if "system_fingerprint" in event:
+            self.fingerprint = event["system_fingerprint"]
+        if self.head:
+            event.update(self.head)
+        if not self.stream:
+            return []
+        if self.want_usage:
+            return [event]
+        if self.final is not None and self.fingerprint is not None:
+            self.final["system_fingerprint"] = self.fingerprint
+        return self.flush_final()
+
+    def _whole(self, usage: dict) -> dict:
+        """Usage of the whole request: the original prompt once, every generated token."""
+        if not self.on_continuation:
+            return usage
+        prompt = len(self.prompt_ids or ())
+        done = self.leg_base + int(usage.get("completion_tokens") or 0)
+        return dict(usage, prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+    # ---- a continuation's events ------------------------------------------------
+    def _continued(self, event: dict, choice: dict) -> list[dict]:
+        text = choice.get("text") or ""
+        ids = choice.get("token_ids") or []
+        finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+        if self.held or self.stops:
+            text, hit = self._scan(text, finish is not None)
+            if hit is not None:
+                finish, stop_reason = "stop", hit
+                self.finish_reason, self.stop_reason = finish, stop_reason
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and logprobs.get("text_offset") is not None:
+            logprobs = dict(logprobs, text_offset=[o + self.leg_offset for o in logprobs["text_offset"]])
+            self._advance_offset(logprobs)
+        self.text += text
+        if self.kind == "chat":
+            out = self._chat_choice(text, logprobs, ids, finish, stop_reason)
+            event = {"id": self.head.get("id"), "object": "chat.completion.chunk",
+                     "created": self.head.get("created"), "model": self.head.get("model"), "choices": [out]}
+        else:
+            out = dict(choice, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason)
+            if "prompt_token_ids" in out:
+                out["prompt_token_ids"] = None  # the client had the prompt's ids from the first leg
+            event = dict(event, id=self.head.get("id"), created=self.head.get("created"), choices=[out])
+        if isinstance(event.get("usage"), dict):
+            event["usage"] = self._whole(event["usage"])
+        if not text and finish is None and not ids:
+            return []
+        return self._to_client(event, out)
+
+    def _chat_choice(self, text: str, logprobs, ids: list[int], finish, stop_reason) -> dict:
+        out: dict = {"index": 0, "delta": {"content": text}, "logprobs": _chat_logprobs(logprobs),
+                     "finish_reason": finish}
+        if finish is not None:
+            out["stop_reason"] = stop_reason
+        out["token_ids"] = ids
+        return out
+
+    def _scan(self, text: str, finished: bool) -> tuple[str, str | None]:
+        """Text recovered at the cut (`held`) + the continuation's new text: the text to send now,
+        and the stop string that matched when one begins in the held text (vLLM checks only the
+        continuation's own text). Held text is kept while it may still begin a stop string."""
+        if not self.held:
+            return text, None
+        joined = self.held + text
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            at = joined.find(stop)
+            if 0 <= at < len(self.held) and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is not None:
+            at, stop = best
+            self.held = ""
+            return joined[:at + (len(stop) if self.include_stop else 0)], stop
+        if finished:
+            self.held = ""
+            return joined, None
+        # keep from the first held position that may still begin a stop string
+        keep = len(joined)
+        for at in range(len(self.held)):
+            tail = joined[at:]
+            if any(s.startswith(tail) for s in self.stops if len(s) > len(tail)):
+                keep = at
+                break
+        self.held = joined[keep:]
+        return joined[:keep], None
+
+    # ---- migration ------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def remaining(self) -> int | None:
+        if not isinstance(self.limit, int):
+            return None
+        return self.limit - len(self.generated)
+
+    def continuation(self) -> dict:
+        """The completion request that continues this one on another instance (token ids in)."""
+        drop = _NEVER_CONTINUED + (_CHAT_ONLY if self.kind == "chat" else ())
+        body = {k: v for k, v in self.body.items() if k not in drop}
+        body["prompt"] = list(self.prompt_ids or ()) + self.generated
+        left = self.remaining()
+        if left is not None:
+            body["max_tokens"] = left
+        if isinstance(self.body.get("min_tokens"), int):
+            body["min_tokens"] = max(0, self.body["min_tokens"] - len(self.generated))
+        if self.kind == "chat" and self.body.get("logprobs"):
+            body["logprobs"] = int(self.body.get("top_logprobs") or 0)
+        if self.kind == "chat":  # chat decodes with special tokens skipped unless told otherwise: the same
+            body.setdefault("skip_special_tokens", True)
+        body.update(stream=True, return_token_ids=True, stream_options=backend_body(self.body)["stream_options"])
+        return body
+
+    def cut(self, recovered: str) -> None:
+        """Start a continuation leg; `recovered`: the generated text vLLM held back at the cut."""
+        self.migrations += 1
+        self.leg_base = len(self.generated)
+        self.leg_offset = self.next_offset
+        self.held += recovered
+
+    def unsent_text(self, full: str) -> str:
+        """The text of every generated token (`full`, from /detokenize) that the client has not got
+        (vLLM held it back for a stop string); an incomplete character at the end is left to the
+        continuation, whose detokenizer is primed with these tokens."""
+        if not full.startswith(self.text):
+            return ""
+        return full[len(self.text):].rstrip("\ufffd")
+
+    # ---- a non-streaming answer ---------------------------------------------------
+    def response(self) -> dict:
+        """The JSON body vLLM answers a non-streaming request with (vLLM 0.32's fields), from the stream."""
+        usage = dict(self.usage or {})
+        usage.setdefault("prompt_tokens_details", None)
+        usage.setdefault("completion_tokens_details", None)
+        ids, prompt_ids = (self.generated, self.prompt_ids) if self.want_ids else (None, None)
+        head = {"id": self.head.get("id"), "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.head.get("created"), "model": self.head.get("model")}
+        tail = {"service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage}
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": self.text, "refusal": None, "annotations": None,
+                       "audio": None, "function_call": None, "reasoning": None}
+            choice = {"index": 0, "message": message, "logprobs": _joined_chat_logprobs(self.logprobs),
+                      "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "token_ids": ids,
+                      "routed_experts": None}
+            return {**head, "choices": [choice], **tail, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
+                    "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        choice = {"index": 0, "text": self.text, "logprobs": _joined_logprobs(self.logprobs),
+                  "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "token_ids": ids,
+                  "prompt_logprobs": None, "prompt_token_ids": prompt_ids, "routed_experts": None}
+        return {**head, "choices": [choice], **tail, "kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": None}
+
+
+def _chat_logprobs(logprobs) -> dict | None:
+    """A completion's logprobs as a chat chunk gives them (token, logprob, bytes, top_logprobs)."""
+    if not isinstance(logprobs, dict):
+        return logprobs
+    content = []
+    tops = logprobs.get("top_logprobs") or []
+    for i, (token, lp) in enumerate(zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [])):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8", "replace")),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
+                                         for t, v in top.items()]})
+    return {"content": content}
+
+
+def _joined_chat_logprobs(parts: list) -> dict | None:
+    if not parts:
+        return None
+    return {"content": [c for p in parts if isinstance(p, dict) for c in (p.get("content") or ())]}
+
+
+def _joined_logprobs(parts: list) -> dict | None:
+    if not parts:
+        return None
+    out: dict = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for p in parts:
+        for key in out:
+            out[key].extend(p.get(key) or ())
+    return out
+
+
+def events(data: bytes) -> tuple[list[dict], bool]:
+    """Whole SSE events (SSEFramer's output) -> their JSON payloads, and whether [DONE] came."""
+    out, done = [], False
+    for block in data.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+            elif payload:
+                out.append(msgspec.json.decode(payload))
+    return out, done
+
+
+def encode(event: dict) -> bytes:
+    return b"data: " + msgspec.json.encode(event) + b"\n\n"

@@ -1,0 +1,214 @@
+"""A generation that survives its instance: relay through the token ledger, continue elsewhere.
+
+`Generation.run()` yields the client's SSE bytes (or, for a non-streaming request, nothing: the
+body is `ledger.response()` once it ends). Each leg is one engine stream, read event by event with
+a stall deadline (`stall_timeout_s` without an event: the instance has failed for this request and
+is health-checked at once). A leg that breaks before the request finished (connection reset, an
+error event, the stream ending early, a stall) is continued on another healthy instance of the
+role: the ledger's token-id continuation, spliced onto what the client already has. At most
+`migration_limit` times; never once the client is gone (the generator is closed then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import structlog
+
+from ascendserve.protocol.openai import APIError
+from ascendserve.router.ledger import BackendFailed, Ledger, encode, events
+from ascendserve.router.pools import Instance, Lease
+
+log = structlog.get_logger("ascendserve.router")
+
+
+class Leg:
+    """One engine stream of a generation: its lease, response and whole-event framing."""
+
+    def __init__(self, lease: Lease, response, framer):
+        self.lease, self.response, self.framer = lease, response, framer
+
+    @property
+    def instance(self) -> Instance:
+        return self.lease.instance
+
+    async def next_events(self, stall_s: float) -> tuple[list[dict], bool, bool]:
+        """The next whole events, whether [DONE] came, whether the stream ended. Raises
+        BackendFailed on a stall, a broken connection or an error event's JSON."""
+        while True:
+            try:
+                chunk = await asyncio.wait_for(self.response.content.readany(), stall_s)
+            except asyncio.TimeoutError:
+                raise BackendFailed("stall", f"no event for {stall_s:g} s") from None
+            except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+                raise BackendFailed("connection", repr(exc)) from None
+            if not chunk:
+                rest = self.framer.flush()
+                evs, done = events(rest) if rest else ([], False)
+                return evs, done, True
+            whole = self.framer.feed(chunk)
+            if whole:
+                evs, done = events(whole)
+                return evs, done, False
+
+    def close(self, ok: bool) -> None:
+        self.response.close()  # on a live instance this aborts the request there
+        self.lease.release(ok=ok)
+
+
+OpenLeg = Callable[[str, dict, frozenset[str]], Awaitable[tuple[Leg, list[dict], bool]]]  # role, body, tried
+
+
+class Generation:
+    def __init__(self, ledger: Ledger, role: str, first: Leg, first_events: list[dict], first_done: bool,
+                 open_leg: OpenLeg, pick: Callable[[str, frozenset[str]], Instance | None],
+                 detokenize: Callable[[Instance | None, list[int]], Awaitable[str | None]],
+                 settings, metrics, on_stall: Callable[[Instance], None],
+                 on_broken: Callable[[Instance], None], request_id: str):
+        self.ledger, self.role, self.leg = ledger, role, first
+        self.pending, self.pending_done = first_events, first_done
+        self.open_leg, self.pick, self.detokenize = open_leg, pick, detokenize
+        self.settings, self.metrics = settings, metrics
+        self.on_stall, self.on_broken = on_stall, on_broken
+        self.request_id = request_id
+        self.failed_at: float | None = None
+        self.tried: set[str] = {first.instance.url}
+        self.base = ""  # the original prompt's text (/detokenize), for the text across a cut
+        self.fixing = False  # the cut fell inside a character: the next text comes from /detokenize
+        self.error = ""  # why the generation could not be completed ("" when it was)
+
+    async def run(self) -> AsyncIterator[bytes]:
+        led = self.ledger
+        ok = False
+        try:
+            while True:
+                try:
+                    async for out in self._leg():
+                        yield out
+                    ok = True
+                    return
+                except BackendFailed as failure:
+                    inst = self.leg.instance
+                    self.leg.close(ok=False)
+                    self.failed_at = time.monotonic()
+                    if failure.reason == "stall":
+                        self.on_stall(inst)
+                    else:  # a reset is most often a dead instance: its health check says at once
+                        self.on_broken(inst)
+                    if led.finished:  # it died after its last token: nothing is missing but the usage
+                        for out in self._close_finished():
+                            yield out
+                        ok = True
+                        return
+                    why_not = led.not_migratable or (
+                        "migration limit reached" if led.migrations >= self.settings.migration_limit else None)
+                    if why_not:
+                        self._fail(f"backend {self.role} instance failed mid-stream ({failure.reason}: "
+                                   f"{failure.detail[:120]}); not continued: {why_not}")
+                        if led.stream:
+                            yield _error_event(self.error)
+                        return
+                    try:
+                        await self._migrate(inst, failure.reason)
+                    except APIError as exc:
+                        self._fail(f"backend {self.role} instance failed mid-stream ({failure.reason}) and no "
+                                   f"other could continue: {exc.message[:200]}")
+                        if led.stream:
+                            yield _error_event(self.error)
+                        return
+        finally:
+            if self.leg is not None:
+                self.leg.close(ok=ok)
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        self.metrics.errors.labels("mid_stream").inc()
+        log.warning("backend failed mid-stream", request_id=self.request_id, url=self.leg.instance.url,
+                    detail=message[:300], tokens=len(self.ledger.generated))
+
+    async def _leg(self) -> AsyncIterator[bytes]:
+        led = self.ledger
+        evs, done, ended = self.pending, self.pending_done, False
+        self.pending = []
+        while True:
+            for ev in evs:
+                if self.fixing and led.on_continuation:
+                    await self._fix_text(ev)
+                for out in led.feed(ev):
+                    if self.failed_at is not None:
+                        self.metrics.migration_gap.observe(time.monotonic() - self.failed_at)
+                        self.failed_at = None
+                    if led.stream:
+                        yield encode(out)
+            if done:
+                if not led.finished:
+                    raise BackendFailed("ended", "[DONE] before a finish_reason")
+                if led.stream:
+                    for out in led.flush_final():
+                        yield encode(out)
+                    yield b"data: [DONE]\n\n"
+                return
+            if ended:
+                if led.finished:  # ended cleanly without [DONE]: complete it
+                    for out in self._close_finished():
+                        yield out
+                    return
+                raise BackendFailed("ended", "stream ended before the request finished")
+            evs, done, ended = await self.leg.next_events(self.settings.stall_timeout_s)
+
+    def _close_finished(self) -> list[bytes]:
+        """The engine sent the last token and died before its usage event and [DONE]."""
+        led = self.ledger
+        out = [encode(e) for e in led.flush_final()]
+        if led.usage is None:
+            prompt, done = len(led.prompt_ids or ()), len(led.generated)
+            led.usage = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
+            if led.want_usage:
+                out.append(encode({**led.head, "choices": [], "usage": led.usage}))
+        return out + [b"data: [DONE]\n\n"] if led.stream else []
+
+    async def _migrate(self, failed: Instance, reason: str) -> None:
+        led = self.ledger
+        helper = self.pick(self.role, frozenset(self.tried))  # any live instance of the model detokenizes
+        full = await self.detokenize(helper, list(led.prompt_ids or ()) + led.generated)
+        if full is not None and not self.base and led.prompt_ids:
+            self.base = await self.detokenize(helper, list(led.prompt_ids)) or ""
+        recovered = ""
+        if full is not None and full.startswith(self.base):
+            generated_text = full[len(self.base):]
+            recovered = led.unsent_text(generated_text)
+            self.fixing = generated_text.endswith("\ufffd")
+        led.cut(recovered)
+        self.leg, self.pending, self.pending_done = await self.open_leg(self.role, led.continuation(),
+                                                                        frozenset(self.tried))
+        self.tried.add(self.leg.instance.url)
+        self.metrics.migrations.labels(self.role, reason).inc()
+        log.warning("request migrated", request_id=self.request_id, role=self.role, reason=reason,
+                    from_=failed.url, to=self.leg.instance.url, tokens=len(led.generated), migration=led.migrations)
+
+    async def _fix_text(self, ev: dict) -> None:
+        """A continuation primed with an incomplete character may send the prompt's text again:
+        the text of its first non-empty event is taken from /detokenize instead."""
+        choices = ev.get("choices")
+        if not choices or not (choices[0].get("text") or ""):
+            return
+        led = self.ledger
+        ids = list(led.prompt_ids or ()) + led.generated + list(choices[0].get("token_ids") or ())
+        full = await self.detokenize(self.leg.instance, ids)
+        self.fixing = False
+        if full is None or not full.startswith(self.base):
+            return
+        exact = full[len(self.base):].rstrip("\ufffd")
+        sent = led.text + led.held
+        choices[0]["text"] = exact[len(sent):] if exact.startswith(sent) else choices[0]["text"]
+
+
+def _error_event(message: str) -> bytes:
+    from ascendserve.router.pipeline import sse_error
+
+    return sse_error(message)
+
+
