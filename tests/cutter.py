@@ -81,8 +81,10 @@ def build(backend: str) -> web.Application:
             if how == "error":
                 await out.write(b'data: {"error": {"message": "injected", "type": "InternalServerError", '
                                 b'"param": null, "code": 500}}\n\ndata: [DONE]\n\n')
-            elif how == "stall":
-                await asyncio.sleep(3600)
+            elif how == "stall":  # silent, until the proxy gives up on it
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.2)
+                return out
             elif how == "reset":
                 request.transport.abort()
                 return out

@@ -16,7 +16,9 @@ MooncakeConnector) must get the transfer id the proxy minted, D with P's engine 
 bootstrap URL; store P and D must get no kv_transfer_params. A pull P
 also listens on the remote_port it names and counts the connections made to it (the
 proxy's FREE of a hold: `side_channel_connections`). --fail-status N: every generation
-request is answered N (a dead D). `last_kv_transfer_params` is what the last request carried.
+request is answered N (a dead D); --first-event-error: every stream answers 200 and an error
+event first. With return_token_ids a stream carries token ids as vLLM's do (made-up ones).
+`last_kv_transfer_params` is what the last request carried.
 GET /stub/stats returns the counters (and `peak_active`, the most streams open at
 once); POST /stub/reset clears them. A reset body {"gate": N} makes every stream
 wait after its first token until N streams are open at once (or --gate-timeout-s
@@ -156,7 +158,10 @@ class Stub:
                 "remote_engine_id": f"stub-{self.args.port}", "remote_request_id": rid,
                 "remote_host": "127.0.0.1", "remote_port": self.side_port or self.args.port}
             return await self._json(send, reply)
-        if role == "decode" and self.args.require_kv and self.flow:
+        # a token-id prompt is the proxy continuing a request that broke mid-stream elsewhere
+        # (router/migrate.py): D recomputes it, no P is involved
+        continuation = _is_token_prompt(body.get("prompt"))
+        if role == "decode" and self.args.require_kv and self.flow and not continuation:
             why = self._decode_params_wrong(body)
             if why:
                 return await self._json(send, self._bad(why), 400)
@@ -165,7 +170,7 @@ class Stub:
             reply = self._completion(chat, rid, 1)
             reply["ec_transfer_params"] = {f"stub-hash-{self.stats['encodes']}": {"item_indices": [0]}}
             return await self._json(send, reply)
-        if role == "decode" and self.args.require_kv and self.flow in ("", "push"):
+        if role == "decode" and self.args.require_kv and self.flow in ("", "push") and not continuation:
             if kv.get("metaserver"):
                 ok = await self._push_callback(kv["metaserver"], chat, rid)
                 if not ok:
@@ -175,7 +180,10 @@ class Stub:
         self.stats["decodes"] += 1
         n = body.get("max_tokens") or body.get("max_completion_tokens") or self.args.tokens
         if body.get("stream"):
-            return await self._stream(receive, send, chat, rid, n)
+            if self.args.first_event_error:
+                return await self._first_event_error(send)
+            ids = _stub_token_ids(body) if body.get("return_token_ids") else None
+            return await self._stream(receive, send, chat, rid, n, ids)
         if self.args.token_delay_ms:
             await asyncio.sleep(self.args.token_delay_ms * n / 1000)
         self.stats["completed"] += 1
@@ -229,7 +237,16 @@ class Stub:
         except TimeoutError:
             self.stats["gate_timeouts"] += 1
 
-    async def _stream(self, receive, send, chat: bool, rid: str, n: int):
+    async def _first_event_error(self, send):
+        """200, then an OpenAI error event as the very first thing (an engine failing at once)."""
+        self.stats["aborted"] += 1
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        event = {"error": {"message": "stub told to fail its first event", "type": "InternalServerError",
+                           "param": None, "code": 500}}
+        await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(event) +
+                    b"\n\ndata: [DONE]\n\n", "more_body": False})
+
+    async def _stream(self, receive, send, chat: bool, rid: str, n: int, prompt_ids: list[int] | None = None):
         self.stats["active"] += 1
         self.stats["peak_active"] = max(self.stats["peak_active"], self.stats["active"])
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -252,11 +269,17 @@ class Stub:
                     raise ConnectionAbortedError("client disconnected")
                 choice = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat
                           else {"index": 0, "text": "tok ", "finish_reason": None})
+                if prompt_ids is not None:  # return_token_ids: as vLLM sends them
+                    choice["token_ids"] = [(sum(prompt_ids) + i) % 1000]
+                    if i == 0:
+                        (choice if not chat else {})["prompt_token_ids"] = prompt_ids
                 if i == n - 1:
                     choice["finish_reason"] = "length"
                 chunk = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": obj, "created": created,
                          "model": self.args.model, "system_fingerprint": f"stub-{self.args.port}",
                          "choices": [choice]}
+                if chat and i == 0 and prompt_ids is not None:
+                    chunk["prompt_token_ids"] = prompt_ids
                 await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
                             "more_body": True})
                 if i == 0 and self.gate:
@@ -275,6 +298,19 @@ class Stub:
                 self.gate_open.clear()
 
 
+def _is_token_prompt(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
+
+
+def _stub_token_ids(body: dict) -> list[int]:
+    """The "prompt token ids" of a request: its token-id prompt, else one id per byte of its text."""
+    prompt = body.get("prompt")
+    if _is_token_prompt(prompt):
+        return prompt
+    text = prompt if isinstance(prompt, str) else msgspec.json.encode(body.get("messages") or "").decode()
+    return list(text.encode()[:64])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=("prefill", "decode", "pd", "encoder"), required=True)
@@ -289,6 +325,7 @@ def main() -> None:
     ap.add_argument("--kv-connector", default="", help="speak this KV connector's flow and say so at /kv_info")
     ap.add_argument("--kv-connectors", default="", help="multi: its connectors, comma-separated")
     ap.add_argument("--fail-status", type=int, default=0, help="answer every generation request with this status")
+    ap.add_argument("--first-event-error", action="store_true", help="answer every stream with an error event first")
     args = ap.parse_args()
     from ascendserve.config import ServerConfig
     from ascendserve.web.limits import raise_open_files_limit

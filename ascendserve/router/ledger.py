@@ -99,11 +99,13 @@ class Ledger:
     next_offset: int = 0  # completions logprobs: text_offset of the next token
     leg_offset: int = 0  # ... when the current leg began (its own offsets start at 0)
     held: str = ""  # text recovered at a cut that may begin a stop string: not sent yet
+    tail: str = ""  # the last characters sent before a cut, where a stop string may begin (include_stop)
     logprobs: list = field(default_factory=list)  # non-streaming: every event's logprobs, to join
     template: dict | None = None  # chat: the first leg's last choice, the shape of a rebuilt chunk
     not_migratable: str | None = None  # learned from the stream (a reasoning or tool parser)
     fingerprint: str | None = None  # the engine's system_fingerprint
     final: dict | None = None  # the terminal event, held until the usage event stamps it
+    stopped: bool = False  # a stop string across the cut ended the answer; the engine does not know
 
     def __post_init__(self):
         self.stream = self.body.get("stream") is True
@@ -218,18 +220,20 @@ class Ledger:
         text = choice.get("text") or ""
         ids = choice.get("token_ids") or []
         finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
-        if self.held or self.stops:
+        if self.held or self.tail:
             text, hit = self._scan(text, finish is not None)
-            if hit is not None:
+            if hit is not None:  # the engine goes on: the proxy ends the answer here (Generation)
                 finish, stop_reason = "stop", hit
                 self.finish_reason, self.stop_reason = finish, stop_reason
+                self.stopped = True
         logprobs = choice.get("logprobs")
         if isinstance(logprobs, dict) and logprobs.get("text_offset") is not None:
             logprobs = dict(logprobs, text_offset=[o + self.leg_offset for o in logprobs["text_offset"]])
             self._advance_offset(logprobs)
         self.text += text
         if self.kind == "chat":
-            out = self._chat_choice(text, logprobs, ids, finish, stop_reason)
+            top = int(self.body.get("top_logprobs") or 0)
+            out = self._chat_choice(text, _chat_logprobs(logprobs, top), ids, finish, stop_reason)
             event = {"id": self.head.get("id"), "object": "chat.completion.chunk",
                      "created": self.head.get("created"), "model": self.head.get("model"), "choices": [out]}
         else:
@@ -244,7 +248,7 @@ class Ledger:
         return self._to_client(event, out)
 
     def _chat_choice(self, text: str, logprobs, ids: list[int], finish, stop_reason) -> dict:
-        out: dict = {"index": 0, "delta": {"content": text}, "logprobs": _chat_logprobs(logprobs),
+        out: dict = {"index": 0, "delta": {"content": text}, "logprobs": logprobs,
                      "finish_reason": finish}
         if finish is not None:
             out["stop_reason"] = stop_reason
@@ -252,33 +256,34 @@ class Ledger:
         return out
 
     def _scan(self, text: str, finished: bool) -> tuple[str, str | None]:
-        """Text recovered at the cut (`held`) + the continuation's new text: the text to send now,
-        and the stop string that matched when one begins in the held text (vLLM checks only the
-        continuation's own text). Held text is kept while it may still begin a stop string."""
-        if not self.held:
+        """The continuation's new text -> the text to send now, and the stop string that matched
+        when one begins before the cut (vLLM checks only the continuation's own text). It may
+        begin in the text vLLM held back (`held`, not sent yet) or, when the stop string is
+        included in the output (vLLM holds nothing back then), in the last characters sent
+        (`tail`). Text is held while a stop string may still begin in it."""
+        joined = self.tail + self.held + text
+        sent, region = len(self.tail), len(self.tail) + len(self.held)
+        if region == 0:
             return text, None
-        joined = self.held + text
         best: tuple[int, str] | None = None
         for stop in self.stops:
             at = joined.find(stop)
-            if 0 <= at < len(self.held) and (best is None or at < best[0]):
+            if 0 <= at < region and (best is None or at < best[0]):
                 best = (at, stop)
-        if best is not None:
+        if best is not None or finished:
+            self.tail = self.held = ""
+            if best is None:
+                return joined[sent:], None
             at, stop = best
-            self.held = ""
-            return joined[:at + (len(stop) if self.include_stop else 0)], stop
-        if finished:
-            self.held = ""
-            return joined, None
-        # keep from the first held position that may still begin a stop string
-        keep = len(joined)
-        for at in range(len(self.held)):
-            tail = joined[at:]
-            if any(s.startswith(tail) for s in self.stops if len(s) > len(tail)):
+            return joined[sent:max(sent, at + (len(stop) if self.include_stop else 0))], stop
+        keep = len(joined)  # the first position of the region where a stop string may still begin
+        for at in range(region):
+            rest = joined[at:]
+            if any(s.startswith(rest) for s in self.stops if len(s) > len(rest)):
                 keep = at
                 break
-        self.held = joined[keep:]
-        return joined[:keep], None
+        self.tail, self.held = joined[min(keep, sent):sent], joined[max(keep, sent):]
+        return joined[sent:max(keep, sent)], None
 
     # ---- migration ------------------------------------------------------------
     @property
@@ -313,6 +318,8 @@ class Ledger:
         self.leg_base = len(self.generated)
         self.leg_offset = self.next_offset
         self.held += recovered
+        if self.include_stop and self.stops:  # vLLM held nothing back: a stop may begin in what was sent
+            self.tail = self.text[-(max(map(len, self.stops)) - 1):] if max(map(len, self.stops)) > 1 else ""
 
     def unsent_text(self, full: str) -> str:
         """The text of every generated token (`full`, from /detokenize) that the client has not got
@@ -347,17 +354,19 @@ class Ledger:
                 "metrics": None}
 
 
-def _chat_logprobs(logprobs) -> dict | None:
-    """A completion's logprobs as a chat chunk gives them (token, logprob, bytes, top_logprobs)."""
+def _chat_logprobs(logprobs, top: int) -> dict | None:
+    """A completion's logprobs as a chat chunk gives them (token, logprob, bytes, the `top` first
+    top_logprobs). The completions API keys top logprobs by text: two top tokens that decode to the
+    same text arrive as one (README: what a continued chat's logprobs may lack)."""
     if not isinstance(logprobs, dict):
         return logprobs
     content = []
     tops = logprobs.get("top_logprobs") or []
     for i, (token, lp) in enumerate(zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [])):
-        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        alts = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
         content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8", "replace")),
                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
-                                         for t, v in top.items()]})
+                                         for t, v in list(alts.items())[:top]]})
     return {"content": content}
 
 

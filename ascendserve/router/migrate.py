@@ -143,6 +143,11 @@ class Generation:
                         self.failed_at = None
                     if led.stream:
                         yield encode(out)
+                if led.stopped:  # a stop string across the cut: the engine's request is aborted
+                    self.leg.close(ok=True)
+                    for out in self._close_finished():
+                        yield out
+                    return
             if done:
                 if not led.finished:
                     raise BackendFailed("ended", "[DONE] before a finish_reason")
@@ -172,7 +177,7 @@ class Generation:
 
     async def _migrate(self, failed: Instance, reason: str) -> None:
         led = self.ledger
-        helper = self.pick(self.role, frozenset(self.tried))  # any live instance of the model detokenizes
+        helper = self.pick(self.role, frozenset({failed.url}))  # any live instance of the model detokenizes
         full = await self.detokenize(helper, list(led.prompt_ids or ()) + led.generated)
         if full is not None and not self.base and led.prompt_ids:
             self.base = await self.detokenize(helper, list(led.prompt_ids)) or ""
@@ -182,8 +187,10 @@ class Generation:
             recovered = led.unsent_text(generated_text)
             self.fixing = generated_text.endswith("\ufffd")
         led.cut(recovered)
+        # any live instance but the one that just failed (one that failed earlier may serve again:
+        # a dead one is ejected by its health check by then)
         self.leg, self.pending, self.pending_done = await self.open_leg(self.role, led.continuation(),
-                                                                        frozenset(self.tried))
+                                                                        frozenset({failed.url}))
         self.tried.add(self.leg.instance.url)
         self.metrics.migrations.labels(self.role, reason).inc()
         log.warning("request migrated", request_id=self.request_id, role=self.role, reason=reason,

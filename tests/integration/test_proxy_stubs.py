@@ -164,15 +164,18 @@ def test_metrics_and_health(pd_cluster):
     assert health["status"] == "ok" and health["roles"]["decode"]["healthy"] == 2
 
 
-def test_sigkill_decode_mid_stream(tmp_path):
-    """In-flight streams on the killed instance end with an error event; the rest and
-    every later request are served by the survivor; counters return to 0."""
+@pytest.mark.parametrize("migration_limit", [3, 0])
+def test_sigkill_decode_mid_stream(tmp_path, migration_limit):
+    """Streams on the killed instance continue on the survivor (one answer of all 200 tokens,
+    one finish_reason, no error event; router/migrate.py), or with migration off end with an
+    error event; the rest and every later request are served by the survivor; counters return to 0."""
     p = stub("prefill", tmp_path)
     d1 = stub("decode", tmp_path, "--require-kv", "--token-delay-ms", "40")
     d2 = stub("decode", tmp_path, "--require-kv", "--token-delay-ms", "40")
     start_all(p, d1, d2)
     proxy = control("proxy", tmp_path, "--prefill", f"127.0.0.1:{p.port}",
-                    "--decode", f"127.0.0.1:{d1.port}", f"127.0.0.1:{d2.port}")
+                    "--decode", f"127.0.0.1:{d1.port}", f"127.0.0.1:{d2.port}",
+                    "--migration-limit", str(migration_limit))
     try:
         start_all(proxy)
         wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
@@ -207,11 +210,23 @@ def test_sigkill_decode_mid_stream(tmp_path):
         on_survivor = [ev for ev in results if ev not in on_killed]
         assert on_killed and on_survivor
         for events in on_killed:
-            assert "error" in events[-2] and events[-1] == "[DONE]"
-            assert "failed mid-stream" in events[-2]["error"]["message"]
+            if migration_limit:
+                chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+                assert events[-1] == "[DONE]" and all("error" not in e for e in events if isinstance(e, dict))
+                assert "".join(c["choices"][0]["text"] for c in chunks) == "tok " * 200
+                assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
+                assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+                assert len({c["id"] for c in chunks}) == 1, "the continuation has the first leg's response id"
+            else:
+                assert "error" in events[-2] and events[-1] == "[DONE]"
+                assert "failed mid-stream" in events[-2]["error"]["message"]
         for events in on_survivor:
             assert events[-1] == "[DONE]" and all("error" not in e for e in events if isinstance(e, dict))
             assert {e.get("system_fingerprint") for e in events if isinstance(e, dict) and e.get("choices")} == {survivor_fp}
+        metrics = httpx.get(proxy.url + "/metrics").text
+        migrated = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                       if line.startswith("ascendserve_proxy_migrations_total{"))
+        assert migrated == (len(on_killed) if migration_limit else 0), metrics
         for _ in range(10):
             r = httpx.post(proxy.url + "/v1/completions", timeout=30,
                            json={"model": "stub-model", "prompt": "x", "max_tokens": 3, "stream": True})
@@ -221,6 +236,31 @@ def test_sigkill_decode_mid_stream(tmp_path):
         assert states[f"http://127.0.0.1:{d1.port}"] == "ejected"
     finally:
         for proc in (proxy, p, d1, d2):
+            proc.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_error_event_first_is_retried_on_the_other_instance(tmp_path, stream):
+    """A backend that answers 200 and an error event as its first event (nothing reached the
+    client yet) is retried like a 5xx: every request is served by the other instance."""
+    bad = stub("pd", tmp_path, "--first-event-error")
+    good = stub("pd", tmp_path)
+    start_all(bad, good)
+    proxy = control("proxy", tmp_path, "--pd", f"127.0.0.1:{bad.port}", f"127.0.0.1:{good.port}")
+    try:
+        start_all(proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
+        for i in range(6):
+            path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": f"hi {i}"}]}) if i % 2
+                          else ("/v1/completions", {"prompt": f"x {i}"}))
+            r = httpx.post(proxy.url + path, timeout=30, json={"model": "stub-model", "max_tokens": 4,
+                                                               "stream": stream, **body})
+            assert r.status_code == 200 and "error" not in r.text, r.text
+            assert f"stub-{good.port}" in r.text if stream else r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(bad.url + "/stub/stats").json()["requests"] > 0, "the failing instance was never tried"
+        assert httpx.get(good.url + "/stub/stats").json()["completed"] == 6
+    finally:
+        for proc in (proxy, bad, good):
             proc.stop()
 
 
