@@ -1,4 +1,6 @@
-"""Proxy overhead: direct (the floor) vs ascendserve vs vllm-ascend's example proxy vs vllm-router.
+"""Proxy overhead: direct (the floor) vs ascendserve (with and without its token ledger, the
+price of mid-stream migration: --migration-limit 0 turns it off) vs vllm-ascend's example proxy
+vs vllm-router; the proxy's CPU per request beside each.
 
     python -m bench.proxy [--duration 5] [--concurrency 1 16 64]
         [--vllm-ascend-proxy FILE | --vllm-ascend-repo GITDIR] [--vllm-router BIN]
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 
 from bench._report import save, table
 from tests.procs import Proc, control, free_port, start_all, stub
@@ -60,15 +63,16 @@ async def one_direct(session, p_url: str, d_url: str) -> None:
 
 async def load(send, concurrency: int, duration: float, warmup: float = 1.0) -> dict:
     latencies: list[float] = []
-    errors = 0
+    errors = calls = 0
     stop_at = time.monotonic() + warmup + duration
     measure_from = time.monotonic() + warmup
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
         async def worker():
-            nonlocal errors
+            nonlocal errors, calls
             while (now := time.monotonic()) < stop_at:
                 try:
+                    calls += 1
                     await send(session)
                     if now >= measure_from:
                         latencies.append(time.monotonic() - now)
@@ -78,7 +82,7 @@ async def load(send, concurrency: int, duration: float, warmup: float = 1.0) -> 
     latencies.sort()
     q = statistics.quantiles(latencies, n=100) if len(latencies) > 2 else [float("nan")] * 99
     return {"rps": len(latencies) / duration, "p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000,
-            "n": len(latencies), "errors": errors}
+            "n": len(latencies), "errors": errors, "calls": calls}
 
 
 def vllm_ascend_proxy(args, tmp: Path, p: Proc, d: Proc) -> Proc | None:
@@ -122,8 +126,10 @@ def main() -> None:
         tmp = Path(t)
         p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv")
         start_all(p, d)
-        candidates = {"ascendserve proxy": control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}",
-                                                   "--decode", f"127.0.0.1:{d.port}", "--log-level", "warning")}
+        candidates = {name: control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}", "--decode",
+                                    f"127.0.0.1:{d.port}", "--log-level", "warning", *extra)
+                      for name, extra in (("ascendserve proxy", ()),
+                                          ("ascendserve, no ledger", ("--migration-limit", "0")))}
         for name, make in (("vllm-ascend proxy", vllm_ascend_proxy), ("vllm-router", vllm_router)):
             proc = make(args, tmp, p, d)
             if proc is None:
@@ -140,8 +146,14 @@ def main() -> None:
                     if httpx.get(proc.url + ("/health" if name != "vllm-ascend proxy" else "/healthcheck")).status_code == 200:
                         break
                     time.sleep(0.2)
-                results[name] = {c: asyncio.run(load(lambda s, u=proc.url: one_via_proxy(s, u), c, args.duration))
-                                 for c in args.concurrency}
+                results[name] = {}
+                for c in args.concurrency:
+                    cpu = psutil.Process(proc.pid).cpu_times()
+                    r = asyncio.run(load(lambda s, u=proc.url: one_via_proxy(s, u), c, args.duration))
+                    spent = psutil.Process(proc.pid).cpu_times()
+                    # the proxy's CPU per request (its warm-up second included in both terms)
+                    r["cpu_ms"] = 1000 * (spent.user + spent.system - cpu.user - cpu.system) / max(1, r["calls"])
+                    results[name][c] = r
             except Exception as exc:
                 print(f"{name}: failed: {exc}")
             finally:
@@ -150,15 +162,19 @@ def main() -> None:
         p.stop(), d.stop()
     floor = results["direct (floor)"]
     peer = results.get("vllm-ascend proxy")
+    bare = results.get("ascendserve, no ledger")
     rows = []
     for name, by_c in results.items():
         for c, r in by_c.items():
             rows.append([name, c, r["rps"], r["p50_ms"], r["p99_ms"], r["p50_ms"] - floor[c]["p50_ms"],
                          r["p99_ms"] - floor[c]["p99_ms"], r["rps"] / floor[c]["rps"],
-                         (r["rps"] / peer[c]["rps"]) if peer and c in peer else float("nan"), r["errors"]])
+                         (r["rps"] / peer[c]["rps"]) if peer and c in peer else float("nan"),
+                         r.get("cpu_ms", float("nan")),
+                         (r["rps"] / bare[c]["rps"]) if bare and c in bare else float("nan"), r["errors"]])
     table(f"P->D through each proxy, stub backends, 16 streamed tokens, {args.duration:.0f} s per point "
           f"(decode protocol errors: {protocol_errors})",
-          ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend", "errors"],
+          ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend",
+           "proxy CPU ms/req", "x no ledger", "errors"],
           rows)
     save("proxy", {"args": vars(args), "results": {k: {str(c): v for c, v in by.items()} for k, by in results.items()},
                    "decode_protocol_errors": protocol_errors})

@@ -20,9 +20,10 @@ import structlog
 
 from ascendserve.protocol.openai import APIError
 from ascendserve.router.ledger import BackendFailed, Ledger, encode, events
-from ascendserve.router.pools import Instance, Lease
+from ascendserve.router.pools import EJECTED, Instance, Lease
 
 log = structlog.get_logger("ascendserve.router")
+EJECTION_CHECK_S = 1.0  # how often a silent stream looks whether its instance was ejected
 
 
 class Leg:
@@ -37,14 +38,23 @@ class Leg:
 
     async def next_events(self, stall_s: float) -> tuple[list[dict], bool, bool]:
         """The next whole events, whether [DONE] came, whether the stream ended. Raises
-        BackendFailed on a stall, a broken connection or an error event's JSON."""
+        BackendFailed on a stall (no byte for `stall_s`), on the instance's ejection by its
+        health checks while it says nothing (a frozen instance may hold a request before its
+        first token longer than any stall deadline) or a broken connection."""
+        deadline = time.monotonic() + stall_s
         while True:
             try:
-                chunk = await asyncio.wait_for(self.response.content.readany(), stall_s)
+                chunk = await asyncio.wait_for(self.response.content.readany(),
+                                               max(0.0, min(EJECTION_CHECK_S, deadline - time.monotonic())))
             except asyncio.TimeoutError:
-                raise BackendFailed("stall", f"no event for {stall_s:g} s") from None
+                if self.instance.state == EJECTED:
+                    raise BackendFailed("ejected", "its health checks failed while it was silent") from None
+                if time.monotonic() >= deadline:
+                    raise BackendFailed("stall", f"no event for {stall_s:g} s") from None
+                continue
             except (aiohttp.ClientError, ConnectionError, OSError) as exc:
                 raise BackendFailed("connection", repr(exc)) from None
+            deadline = time.monotonic() + stall_s
             if not chunk:
                 rest = self.framer.flush()
                 evs, done = events(rest) if rest else ([], False)
@@ -78,6 +88,7 @@ class Generation:
         self.tried: set[str] = {first.instance.url}
         self.base = ""  # the original prompt's text (/detokenize), for the text across a cut
         self.fixing = False  # the cut fell inside a character: the next text comes from /detokenize
+        self.cut_text = ""  # the generated tokens' text at the cut, up to its last whole character
         self.error = ""  # why the generation could not be completed ("" when it was)
 
     async def run(self) -> AsyncIterator[bytes]:
@@ -96,6 +107,8 @@ class Generation:
                     self.failed_at = time.monotonic()
                     if failure.reason == "stall":
                         self.on_stall(inst)
+                    elif failure.reason == "ejected":
+                        pass
                     else:  # a reset is most often a dead instance: its health check says at once
                         self.on_broken(inst)
                     if led.finished:  # it died after its last token: nothing is missing but the usage
@@ -185,7 +198,11 @@ class Generation:
         if full is not None and full.startswith(self.base):
             generated_text = full[len(self.base):]
             recovered = led.unsent_text(generated_text)
+            # vLLM primes the continuation's detokenizer with its prompt; when that prompt's text
+            # ends in an incomplete (or invalid) character, the first text it sends is the whole
+            # prompt's text again (tokenizers' DecodeStream, 0.23)
             self.fixing = generated_text.endswith("\ufffd")
+            self.cut_text = generated_text.rstrip("\ufffd")
         led.cut(recovered)
         # any live instance but the one that just failed (one that failed earlier may serve again:
         # a dead one is ejected by its health check by then)
@@ -197,20 +214,21 @@ class Generation:
                     from_=failed.url, to=self.leg.instance.url, tokens=len(led.generated), migration=led.migrations)
 
     async def _fix_text(self, ev: dict) -> None:
-        """A continuation primed with an incomplete character may send the prompt's text again:
-        the text of its first non-empty event is taken from /detokenize instead."""
+        """The first non-empty text of a continuation whose detokenizer was primed with an
+        incomplete character repeats the prompt: its text is what the generated tokens' text
+        gained with this event (from /detokenize, as at the cut), as the uninterrupted stream
+        would have sent it once the character was complete."""
         choices = ev.get("choices")
         if not choices or not (choices[0].get("text") or ""):
             return
+        self.fixing = False
         led = self.ledger
         ids = list(led.prompt_ids or ()) + led.generated + list(choices[0].get("token_ids") or ())
         full = await self.detokenize(self.leg.instance, ids)
-        self.fixing = False
-        if full is None or not full.startswith(self.base):
+        if full is None or not full.startswith(self.base) or not full[len(self.base):].startswith(self.cut_text):
+            log.warning("continuation text not checked: /detokenize did not agree", request_id=self.request_id)
             return
-        exact = full[len(self.base):].rstrip("\ufffd")
-        sent = led.text + led.held
-        choices[0]["text"] = exact[len(sent):] if exact.startswith(sent) else choices[0]["text"]
+        choices[0]["text"] = full[len(self.base) + len(self.cut_text):]
 
 
 def _error_event(message: str) -> bytes:

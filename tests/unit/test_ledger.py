@@ -1,0 +1,192 @@
+"""The token ledger (router/ledger.py): what the engine is asked, what the client gets, and the
+continuation after a cut. Events are shaped as vLLM 0.32 sends them (recorded from the tiny
+model through its OpenAI server); tests/integration/test_migration_splice.py checks the same
+against a real engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascendserve.router.ledger import BackendFailed, Ledger, backend_body, events, why_not_migratable
+
+MODEL = "m"
+
+
+def cmpl(text: str, ids: list[int], finish=None, prompt_ids=None, logprobs=None) -> dict:
+    return {"id": "cmpl-1", "object": "text_completion", "created": 10, "model": MODEL,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None,
+                         "prompt_token_ids": prompt_ids, "token_ids": ids}]}
+
+
+def chat(content: str | None, ids: list[int], finish=None, role: bool = False) -> dict:
+    delta = {"role": "assistant", "content": ""} if role else ({} if content is None else {"content": content})
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if not role:
+        choice["token_ids"] = ids
+    event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 10, "model": MODEL, "choices": [choice]}
+    if role:
+        event |= {"prompt_token_ids": [1, 2, 3], "prompt_text": None}
+    return event
+
+
+def usage(prompt: int, done: int, obj: str = "text_completion") -> dict:
+    return {"id": "cmpl-1", "object": obj, "created": 10, "model": MODEL, "choices": [],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done},
+            "system_fingerprint": "vllm-0.32.0-x"}
+
+
+@pytest.mark.parametrize("kind, body, why", [
+    ("completions", {"prompt": "a"}, None),
+    ("completions", {"prompt": [1, 2]}, None),
+    ("completions", {"prompt": ["one"]}, None),
+    ("completions", {"prompt": ["one", "two"]}, "several prompts"),
+    ("completions", {"prompt": [[1], [2]]}, "several prompts"),
+    ("completions", {"prompt": "a", "n": 2}, "n > 1"),
+    ("completions", {"prompt": "a", "echo": True}, "echo"),
+    ("completions", {"prompt": "a", "structured_outputs": {"json": {}}}, "structured output"),
+    ("chat", {"messages": []}, None),
+    ("chat", {"messages": [], "response_format": {"type": "text"}}, None),
+    ("chat", {"messages": [], "response_format": {"type": "json_object"}}, "structured output"),
+    ("chat", {"messages": [], "tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"messages": [], "tools": [{"type": "function"}], "tool_choice": "none"}, None),
+])
+def test_which_requests_can_be_continued(kind, body, why):
+    assert why_not_migratable(kind, body) == why
+
+
+def test_the_engine_is_asked_for_a_stream_with_token_ids_and_usage():
+    assert backend_body({"prompt": "a"}) == {"prompt": "a", "stream": True, "return_token_ids": True,
+                                             "stream_options": {"include_usage": True}}
+    b = backend_body({"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_a_client_that_asked_for_nothing_gets_vllms_nulls_and_no_usage_event():
+    led = Ledger("completions", {"prompt": "a", "stream": True, "max_tokens": 2})
+    first = led.feed(cmpl("x", [7], prompt_ids=[1, 2]))
+    assert first[0]["choices"][0]["token_ids"] is None and first[0]["choices"][0]["prompt_token_ids"] is None
+    assert led.feed(cmpl("y", [8], finish="length")) == []  # held: vLLM stamps its fingerprint here
+    out = led.feed(usage(2, 2))
+    assert [e["choices"][0]["finish_reason"] for e in out] == ["length"]
+    assert out[0]["system_fingerprint"] == "vllm-0.32.0-x" and "usage" not in out[0]
+    assert led.prompt_ids == [1, 2] and led.generated == [7, 8] and led.text == "xy"
+
+
+def test_a_client_that_asked_for_ids_and_usage_gets_them():
+    led = Ledger("completions", {"prompt": "a", "stream": True, "max_tokens": 1, "return_token_ids": True,
+                                 "stream_options": {"include_usage": True}})
+    out = led.feed(cmpl("x", [7], finish="length", prompt_ids=[1, 2]))
+    assert out[0]["choices"][0]["token_ids"] == [7] and out[0]["choices"][0]["prompt_token_ids"] == [1, 2]
+    assert led.feed(usage(2, 1))[0]["usage"]["completion_tokens"] == 1
+
+
+def test_chat_chunks_sent_only_for_token_ids_are_dropped():
+    led = Ledger("chat", {"messages": [], "stream": True})
+    role = led.feed(chat(None, [], role=True))
+    assert role[0]["prompt_token_ids"] is None and led.prompt_ids == [1, 2, 3]
+    assert led.feed(chat(None, [5])) == []  # a parser's silent token: vLLM sends nothing without ids
+    assert led.feed(chat("hi", [6]))[0]["choices"][0]["token_ids"] is None
+    assert led.generated == [5, 6]
+
+
+def test_an_error_event_is_a_failure_with_its_status():
+    led = Ledger("completions", {"prompt": "a", "stream": True})
+    with pytest.raises(BackendFailed) as failed:
+        led.feed({"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}})
+    assert failed.value.status == 500 and failed.value.reason == "error_event"
+
+
+def test_a_chat_continues_as_token_ids_with_what_remains():
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,
+            "max_tokens": 99, "min_tokens": 5, "logprobs": True, "top_logprobs": 2, "stop": ["zz"], "seed": 3,
+            "stream": True, "temperature": 0.5, "kv_transfer_params": {"x": 1}}
+    led = Ledger("chat", body)
+    led.feed(chat(None, [], role=True))
+    led.feed(chat("ab", [4, 5]))
+    led.cut("")
+    c = led.continuation()
+    assert c["prompt"] == [1, 2, 3, 4, 5] and c["max_tokens"] == 8 and c["min_tokens"] == 3
+    assert c["logprobs"] == 2 and c["stop"] == ["zz"] and c["seed"] == 3 and c["temperature"] == 0.5
+    assert c["stream"] is True and c["return_token_ids"] is True
+    assert not {"messages", "max_completion_tokens", "top_logprobs", "kv_transfer_params"} & set(c)
+
+
+def test_a_continuation_is_spliced_onto_the_first_leg():
+    led = Ledger("chat", {"messages": [], "stream": True, "max_tokens": 4,
+                          "stream_options": {"include_usage": True}})
+    led.feed(chat(None, [], role=True))
+    led.feed(chat("ab", [4]))
+    led.cut("")
+    out = led.feed(cmpl("cd", [9], prompt_ids=[1, 2, 3, 4]) | {"id": "cmpl-2", "created": 99})
+    assert out == [{"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 10, "model": MODEL,
+                    "choices": [{"index": 0, "delta": {"content": "cd"}, "logprobs": None, "finish_reason": None,
+                                 "token_ids": None}]}]
+    led.feed(cmpl("e", [10, 11], finish="length"))
+    last = led.feed(usage(4, 3) | {"id": "cmpl-2"})[0]
+    assert last["id"] == "chatcmpl-1" and last["object"] == "chat.completion.chunk"
+    assert last["usage"] == {"prompt_tokens": 3, "total_tokens": 7, "completion_tokens": 4}
+    assert led.generated == [4, 9, 10, 11] and led.text == "abcde"
+
+
+def test_completion_logprob_offsets_go_on_across_the_cut():
+    lp = lambda tok, off: {"text_offset": [off], "token_logprobs": [-1.0], "tokens": [tok], "top_logprobs": [{tok: -1.0}]}
+    led = Ledger("completions", {"prompt": "a", "stream": True, "logprobs": 0})
+    led.feed(cmpl("ab", [4], logprobs=lp("ab", 0)))
+    led.cut("")
+    out = led.feed(cmpl("c", [5], logprobs=lp("c", 0)))
+    assert out[0]["choices"][0]["logprobs"]["text_offset"] == [2]
+    out = led.feed(cmpl("d", [6], logprobs=lp("d", 1)))
+    assert out[0]["choices"][0]["logprobs"]["text_offset"] == [3]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_across_the_cut_ends_the_answer(include):
+    led = Ledger("completions", {"prompt": "a", "stream": True, "stop": ["XYZ"], "include_stop_str_in_output": include})
+    led.feed(cmpl("ab" if not include else "abX", [4]))  # vLLM held "X" back unless it is included
+    led.cut("X" if not include else "")
+    texts = lambda out: [e["choices"][0]["text"] for e in out]
+    assert texts(led.feed(cmpl("", [5]))) == [""]  # the token's event, as vLLM sends one while it holds text
+    assert texts(led.feed(cmpl("Y", [6]))) == [""]  # "XY" may still begin "XYZ": held
+    assert led.feed(cmpl("Zq", [7])) == []  # stopped: the terminal event waits for the usage
+    assert led.stopped and led.finish_reason == "stop" and led.stop_reason == "XYZ"
+    final = led.flush_final()[0]["choices"][0]
+    assert final["text"] == ("YZ" if include else "") and final["finish_reason"] == "stop"
+    assert led.text == ("abXYZ" if include else "ab")
+
+
+def test_held_text_that_cannot_begin_a_stop_string_is_sent():
+    led = Ledger("completions", {"prompt": "a", "stream": True, "stop": ["XYZ"]})
+    led.feed(cmpl("ab", [4]))
+    led.cut("XY")
+    out = led.feed(cmpl("q", [5]))
+    assert out[0]["choices"][0]["text"] == "XYq" and not led.stopped and led.held == ""
+
+
+def test_a_non_streaming_answer_has_vllms_fields_in_vllms_order():
+    led = Ledger("completions", {"prompt": "a", "max_tokens": 2})
+    led.feed(cmpl("x", [7], prompt_ids=[1]))
+    led.feed(cmpl("y", [8], finish="length"))
+    led.feed(usage(1, 2))
+    body = led.response()
+    assert list(body) == ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                          "kv_transfer_params", "ec_transfer_params", "metrics"]
+    assert list(body["choices"][0]) == ["index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                                        "prompt_logprobs", "prompt_token_ids", "routed_experts"]
+    assert body["choices"][0]["text"] == "xy" and body["choices"][0]["token_ids"] is None
+    assert body["usage"] == {"prompt_tokens": 1, "total_tokens": 3, "completion_tokens": 2,
+                             "prompt_tokens_details": None, "completion_tokens_details": None}
+    led = Ledger("chat", {"messages": [], "return_token_ids": True})
+    led.feed(chat(None, [], role=True))
+    led.feed(chat("hi", [5], finish="stop"))
+    led.feed(usage(3, 1, "chat.completion.chunk"))
+    body = led.response()
+    assert list(body) == ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                          "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params",
+                          "ec_transfer_params", "metrics"]
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "hi"
+    assert body["choices"][0]["token_ids"] == [5] and body["prompt_token_ids"] == [1, 2, 3]
+
+
+def test_sse_events_are_parsed_whole():
+    evs, done = events(b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n')
+    assert evs == [{"a": 1}, {"b": 2}] and done
