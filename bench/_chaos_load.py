@@ -26,6 +26,9 @@ class Record:
     end: float = 0.0
     outcome: str = ""  # ok | explicit | other | hung
     detail: str = ""
+    path: str = ""
+    body: dict | None = None
+    ids: list | None = None  # the answer's token ids (every request asks for them)
 
 
 def png(rng: random.Random) -> str:
@@ -69,7 +72,8 @@ class Load:
 
     def _body(self, kind: str) -> tuple[str, dict]:
         words = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randrange(8, 120)))
-        common = {"model": self.model, "max_tokens": self.s.max_tokens, "ignore_eos": True, "temperature": 0}
+        common = {"model": self.model, "max_tokens": self.s.max_tokens, "ignore_eos": True, "temperature": 0,
+                  "return_token_ids": True}
         if kind.endswith("stream"):
             common |= {"stream": True, "stream_options": {"include_usage": True}}
         if kind == "text-stream":
@@ -85,10 +89,10 @@ class Load:
             self._n += 1
             kind = self.rng.choice(self.KINDS)
             path, body = self._body(kind)
-            rec = Record(f"chaos-{self.s.seed}-{self._n}", kind, time.monotonic())
+            rec = Record(f"chaos-{self.s.seed}-{self._n}", kind, time.monotonic(), path=path, body=body)
             self.records.append(rec)
             try:
-                rec.outcome, rec.detail = await asyncio.wait_for(
+                rec.outcome, rec.detail, rec.ids = await asyncio.wait_for(
                     self._one(client, path, body, rec.rid, body.get("stream", False)), self.s.deadline_s)
             except asyncio.TimeoutError:
                 rec.outcome, rec.detail = "hung", f"no answer within {self.s.deadline_s:.0f} s"
@@ -96,7 +100,7 @@ class Load:
                 rec.outcome, rec.detail = "other", f"connection: {exc!r}"
             rec.end = time.monotonic()
 
-    async def _one(self, client, path: str, body: dict, rid: str, stream: bool) -> tuple[str, str]:
+    async def _one(self, client, path: str, body: dict, rid: str, stream: bool) -> tuple[str, str, list | None]:
         headers = {"x-request-id": rid}
         want = self.s.max_tokens
         if not stream:
@@ -109,19 +113,19 @@ class Load:
             return judge_stream(sse_data(raw), want)
 
 
-def judge_json(status: int, raw: bytes, want: int) -> tuple[str, str]:
+def judge_json(status: int, raw: bytes, want: int) -> tuple[str, str, list | None]:
     try:
         body = json.loads(raw)
     except ValueError:
-        return "other", f"{status} with a body that is not JSON: {raw[:120]!r}"
+        return "other", f"{status} with a body that is not JSON: {raw[:120]!r}", None
     if status >= 400:
         if isinstance(body, dict) and isinstance(body.get("error"), dict) and body["error"].get("message"):
-            return "explicit", f"{status}: {body['error']['message'][:160]}"
-        return "other", f"{status} without an OpenAI error body: {raw[:160]!r}"
+            return "explicit", f"{status}: {body['error']['message'][:160]}", None
+        return "other", f"{status} without an OpenAI error body: {raw[:160]!r}", None
     got = (body.get("usage") or {}).get("completion_tokens") if isinstance(body, dict) else None
     if status == 200 and got == want:
-        return "ok", ""
-    return "other", f"{status} with {got} of {want} tokens"
+        return "ok", "", (body.get("choices") or [{}])[0].get("token_ids")
+    return "other", f"{status} with {got} of {want} tokens", None
 
 
 def sse_data(raw: bytes) -> list[str]:
@@ -131,23 +135,25 @@ def sse_data(raw: bytes) -> list[str]:
     return [line[6:].decode(errors="replace") for line in lines if line.startswith(b"data: ")]
 
 
-def judge_stream(events: list[str], want: int) -> tuple[str, str]:
-    tokens = None
+def judge_stream(events: list[str], want: int) -> tuple[str, str, list | None]:
+    tokens, ids = None, []
     for data in events:
         if data == "[DONE]":
             continue
         try:
             event = json.loads(data)
         except ValueError:
-            return "other", f"an SSE event that is not JSON: {data[:300]!r}"
+            return "other", f"an SSE event that is not JSON: {data[:300]!r}", None
         if isinstance(event, dict) and "error" in event:
-            return "explicit", f"SSE error event: {str(event['error'])[:160]}"
+            return "explicit", f"SSE error event: {str(event['error'])[:160]}", None
         if isinstance(event, dict) and event.get("usage"):
             tokens = event["usage"].get("completion_tokens")
+        for choice in (event.get("choices") or ()) if isinstance(event, dict) else ():
+            ids += choice.get("token_ids") or []
     if not events or events[-1] != "[DONE]":
-        return "other", f"stream truncated after {len(events)} events, no [DONE]"
+        return "other", f"stream truncated after {len(events)} events, no [DONE]", None
     if tokens != want:
-        return "other", f"stream ended with {tokens} of {want} tokens"
-    return "ok", ""
+        return "other", f"stream ended with {tokens} of {want} tokens", None
+    return "ok", "", ids
 
 

@@ -76,13 +76,14 @@ from ascendserve.launch.children import kill_group
 from bench._chaos_cluster import (ROLES, SHORT, Cluster, Settings, alive, port_of, tree_pids, tree_shm, unused,
                                   yield_to_starts)
 from bench._chaos_load import Load, Record
-from tests.procs import PYTHON, Proc, kv_usage, wait_for
+from tests.procs import PYTHON, Proc, kv_usage, plain_vllm, start_all, wait_for
 
 TARGETS = ("main", "group", "worker")
 # vLLM's worker can take ~20 s to notice its dead engine core on a busy host (its shutdown holds the GIL)
 ORPHAN_AFTER_S = 60.0
 SHM_PREFIXES = ("psm_", "vllm_dist_", "asf-", "sem.mp-")
-MUST_BE_ZERO = ("failed-other", "hung", "orphans", "shm_after_kills", "restart_failures", "silent_engine_deaths",
+MUST_BE_ZERO = ("failed-explicit", "failed-other", "hung", "differs", "orphans", "shm_after_kills", "restart_failures",
+                "silent_engine_deaths",
                 "leaked_kv", "leaked_ec", "leaked_shm", "unclean_stops")
 
 
@@ -306,6 +307,7 @@ def run(s: Settings, log=print) -> dict:
             load._stop.set()
         codes = cluster.stop()
     time.sleep(2)
+    differs = compare_with_oracle(s, load.records, log) if load is not None else []
     left = unused(cluster.seen_shm)
     new_unknown = sorted(unused({n for n in set(os.listdir("/dev/shm")) - before - cluster.seen_shm
                                  if n.startswith(SHM_PREFIXES)}))
@@ -315,6 +317,8 @@ def run(s: Settings, log=print) -> dict:
         "kills": [vars(k) for k in kills],
         "kills_per_role": {r: sum(k.role == r for k in kills) for r in ROLES},
         "requests": len(load.records), **verdict, "held": end,
+        "compared": sum(r.ids is not None for r in load.records), "differs": len(differs),
+        "differing": differs[:10], **migration_gaps(cluster.proxy.log_path),
         "leaked_kv": sum(1 for v in end["kv_usage"].values() if v) + int(end["kv_held_remote"]),
         "leaked_ec": int(end["ec_held"]),
         "orphans": sum(len(k.orphans) for k in kills),
@@ -329,6 +333,44 @@ def run(s: Settings, log=print) -> dict:
     return report
 
 
+def migration_gaps(proxy_log: Path) -> dict:
+    """From the proxy's log: requests continued elsewhere, and from each failure to the next token
+    the client got (router/migrate.py logs both)."""
+    gaps, moved = [], 0
+    for line in proxy_log.read_text(errors="replace").splitlines():
+        if '"request migrated"' in line:
+            moved += 1
+        elif '"migration resumed"' in line:
+            gaps.append(json.loads(line)["gap_ms"] / 1000)
+    q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [gaps[0] if gaps else float("nan")] * 99
+    return {"migrations": moved, "gap_p50_s": q[49], "gap_p99_s": q[98], "gaps_s": gaps}
+
+
+def compare_with_oracle(s, records, log) -> list[dict]:
+    """Every answer's token ids against one plain vLLM instance's for the same request (started
+    once the cluster has stopped; each distinct request is asked once)."""
+    answered = [r for r in records if r.outcome == "ok" and r.ids is not None]
+    if not answered:
+        return []
+    oracle = plain_vllm(s.model, s.log_dir, name="oracle")
+    oracle.memory_wanted = lambda: 0.0  # the cluster's reservation covers it: the cluster is gone
+    differs, want = [], {}
+    try:
+        start_all(oracle)
+        for r in answered:
+            body = {k: v for k, v in r.body.items() if k not in ("stream", "stream_options")}
+            key = json.dumps([r.path, body], sort_keys=True)
+            if key not in want:
+                reply = httpx.post(oracle.url + r.path, json=body, timeout=300)
+                want[key] = reply.json()["choices"][0]["token_ids"] if reply.status_code == 200 else reply.text
+            if r.ids != want[key]:
+                differs.append({"rid": r.rid, "kind": r.kind, "ours": r.ids, "oracle": want[key]})
+    finally:
+        oracle.stop()
+    log(f"  {len(answered)} answers compared with plain vLLM ({len(want)} distinct requests): {len(differs)} differ")
+    return differs
+
+
 def print_report(r: dict) -> str:
     from bench._report import table
 
@@ -338,9 +380,12 @@ def print_report(r: dict) -> str:
             ["kills with requests in flight on the victim", sum(k["hit"] > 0 for k in r["kills"]), ""],
             ["requests", r["requests"], ""],
             ["ok", r["ok"], ""],
-            ["failed-explicit (in flight on the killed instance)", r["failed-explicit"], ""],
+            ["failed-explicit (in flight on the killed instance)", r["failed-explicit"], "must be 0"],
             ["failed-other", r["failed-other"], "must be 0"],
             ["hung", r["hung"], "must be 0"],
+            ["answers compared with plain vLLM / differing", f"{r['compared']} / {r['differs']}", "must be 0"],
+            ["migrations; failure -> next token p50 / p99 (s)",
+             f"{r['migrations']}; {r['gap_p50_s']:.2f} / {r['gap_p99_s']:.2f}", ""],
             ["latency p50 / p99 (ok, s)", f"{r['p50_s']:.2f} / {r['p99_s']:.2f}", ""],
             ["orphan processes after kills", r["orphans"], "must be 0"],
             ["shm left by killed instances", r["shm_after_kills"], "must be 0"],

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from ascendserve.protocol.openai import mm_parts
+
 # Sampling/output keys of a chat request that a completion does not take, or takes differently.
 _CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs",
               "add_generation_prompt", "continue_final_message", "documents", "top_logprobs", "logprobs",
@@ -44,6 +46,18 @@ class BackendFailed(Exception):
     def __init__(self, reason: str, detail: str, status: int | None = None):
         super().__init__(detail)
         self.reason, self.detail, self.status = reason, detail, status
+
+
+def mode_of(kind: str, body: dict) -> str | None:
+    """How a request that breaks mid-generation is continued: "tokens" (a token-id completion of
+    what remains), "replay" (multimodal: a token-id prompt cannot carry the images, so the request
+    is run again from the start and the tokens the client has are skipped; only when it is
+    deterministic: greedy or seeded), or None (it ends with an error event)."""
+    if why_not_migratable(kind, body) is not None:
+        return None
+    if kind == "chat" and mm_parts(body):
+        return "replay" if body.get("temperature") == 0 or body.get("seed") is not None else None
+    return "tokens"
 
 
 def why_not_migratable(kind: str, body: dict) -> str | None:
@@ -106,6 +120,9 @@ class Ledger:
     fingerprint: str | None = None  # the engine's system_fingerprint
     final: dict | None = None  # the terminal event, held until the usage event stamps it
     stopped: bool = False  # a stop string across the cut ended the answer; the engine does not know
+    mode: str = "tokens"  # how a cut is continued (mode_of)
+    skip_ids: int = 0  # replay: tokens of the new leg the client already has
+    skip_text: int = 0  # replay: characters of the new leg's text the client already has
 
     def __post_init__(self):
         self.stream = self.body.get("stream") is True
@@ -138,6 +155,8 @@ class Ledger:
         if not choices:  # the usage event (choices [])
             return self._usage_event(event)
         choice = choices[0]
+        if self.on_continuation and self.mode == "replay":
+            return self._replayed(event, choice)
         if self.prompt_ids is None:
             ids = event.get("prompt_token_ids") if self.kind == "chat" else choice.get("prompt_token_ids")
             if isinstance(ids, list):
@@ -209,11 +228,50 @@ class Ledger:
 
     def _whole(self, usage: dict) -> dict:
         """Usage of the whole request: the original prompt once, every generated token."""
-        if not self.on_continuation:
+        if not self.on_continuation or self.mode == "replay":
             return usage
         prompt = len(self.prompt_ids or ())
         done = self.leg_base + int(usage.get("completion_tokens") or 0)
         return dict(usage, prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+    # ---- a replay's events ---------------------------------------------------------
+    def _replayed(self, event: dict, choice: dict) -> list[dict]:
+        """The same request run again: what the client has is skipped (its tokens must be the
+        same: BackendFailed "diverged" when not), the rest relayed as from the first leg."""
+        ids = list(choice.get("token_ids") or ())
+        if self.skip_ids:
+            seen = ids[:self.skip_ids]
+            start = len(self.generated) - self.skip_ids
+            if seen != self.generated[start:start + len(seen)]:
+                raise BackendFailed("diverged", "the replayed request generated other tokens", None)
+            self.skip_ids -= len(seen)
+            ids = ids[len(seen):]
+        text_key = "text" if self.kind == "completions" else None
+        delta = choice.get("delta") if self.kind == "chat" else None
+        if self.kind == "chat" and isinstance(delta, dict) and "role" in delta:
+            return []  # the client has its role chunk
+        text = (choice.get("text") if text_key else (delta or {}).get("content")) or ""
+        if self.skip_text:
+            cut = min(self.skip_text, len(text))
+            self.skip_text -= cut
+            text = text[cut:]
+        if not ids and not text and choice.get("finish_reason") is None:
+            return []
+        self.generated.extend(ids)
+        self.text += text
+        if choice.get("finish_reason") is not None:
+            self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        out = dict(choice, token_ids=ids)
+        if text_key:
+            out["text"] = text
+        else:
+            out["delta"] = dict(delta or {}, content=text)
+        if "prompt_token_ids" in out:
+            out["prompt_token_ids"] = None
+        event = dict(event, id=self.head.get("id"), created=self.head.get("created"), choices=[out])
+        if self.kind == "chat" and "prompt_token_ids" in event:
+            event["prompt_token_ids"] = None
+        return self._to_client(event, out)
 
     # ---- a continuation's events ------------------------------------------------
     def _continued(self, event: dict, choice: dict) -> list[dict]:
@@ -296,7 +354,11 @@ class Ledger:
         return self.limit - len(self.generated)
 
     def continuation(self) -> dict:
-        """The completion request that continues this one on another instance (token ids in)."""
+        """The completion request that continues this one on another instance (token ids in),
+        or for a replay the request itself again."""
+        if self.mode == "replay":
+            body = {k: v for k, v in self.body.items() if k not in ("kv_transfer_params", "ec_transfer_params")}
+            return backend_body(body)
         drop = _NEVER_CONTINUED + (_CHAT_ONLY if self.kind == "chat" else ())
         body = {k: v for k, v in self.body.items() if k not in drop}
         body["prompt"] = list(self.prompt_ids or ()) + self.generated
@@ -315,6 +377,9 @@ class Ledger:
     def cut(self, recovered: str) -> None:
         """Start a continuation leg; `recovered`: the generated text vLLM held back at the cut."""
         self.migrations += 1
+        if self.mode == "replay":
+            self.skip_ids, self.skip_text = len(self.generated), len(self.text)
+            return
         self.leg_base = len(self.generated)
         self.leg_offset = self.next_offset
         self.held += recovered

@@ -116,7 +116,8 @@ class Generation:
                             yield out
                         ok = True
                         return
-                    why_not = led.not_migratable or (
+                    why_not = led.not_migratable or ("its replay generated other tokens" if failure.reason == "diverged"
+                                                     else None) or (
                         "migration limit reached" if led.migrations >= self.settings.migration_limit else None)
                     if why_not:
                         self._fail(f"backend {self.role} instance failed mid-stream ({failure.reason}: "
@@ -152,7 +153,9 @@ class Generation:
                     await self._fix_text(ev)
                 for out in led.feed(ev):
                     if self.failed_at is not None:
-                        self.metrics.migration_gap.observe(time.monotonic() - self.failed_at)
+                        gap = time.monotonic() - self.failed_at
+                        self.metrics.migration_gap.observe(gap)
+                        log.info("migration resumed", request_id=self.request_id, gap_ms=round(gap * 1000, 1))
                         self.failed_at = None
                     if led.stream:
                         yield encode(out)
@@ -190,6 +193,9 @@ class Generation:
 
     async def _migrate(self, failed: Instance, reason: str) -> None:
         led = self.ledger
+        if led.mode == "replay":
+            led.cut("")
+            return await self._open_next(failed, reason)
         helper = self.pick(self.role, frozenset({failed.url}))  # any live instance of the model detokenizes
         full = await self.detokenize(helper, list(led.prompt_ids or ()) + led.generated)
         if full is not None and not self.base and led.prompt_ids:
@@ -204,6 +210,10 @@ class Generation:
             self.fixing = generated_text.endswith("\ufffd")
             self.cut_text = generated_text.rstrip("\ufffd")
         led.cut(recovered)
+        await self._open_next(failed, reason)
+
+    async def _open_next(self, failed: Instance, reason: str) -> None:
+        led = self.ledger
         # any live instance but the one that just failed (one that failed earlier may serve again:
         # a dead one is ejected by its health check by then)
         self.leg, self.pending, self.pending_done = await self.open_leg(self.role, led.continuation(),

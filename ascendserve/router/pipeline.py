@@ -350,8 +350,9 @@ class Pipeline:
         cost = tokens + max_new_tokens(body)
         started = time.monotonic()
         key = prefix_key(body, self.settings.prefix_chars) if self.settings.prefix_aware else None
-        if self.settings.migration_limit and ledger.why_not_migratable(kind, body) is None:
-            return await self._generate(kind, role, body, headers, cost, started, key, on_first_byte, exclude)
+        mode = ledger.mode_of(kind, body) if self.settings.migration_limit else None
+        if mode is not None:
+            return await self._generate(kind, role, body, headers, cost, started, key, on_first_byte, exclude, mode)
         if body.get("stream") is not True:
             result, inst = await self._with_retries(
                 role, lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], body, headers, cost), key,
@@ -387,12 +388,13 @@ class Pipeline:
 
     # ---- a generation that survives its instance (router/ledger.py, router/migrate.py) ----
     async def _generate(self, kind: str, role: str, body: dict, headers: dict, cost: int, started: float,
-                        key: bytes | None, on_first_byte: Callable[[], None] | None, exclude: frozenset[str]) -> Reply:
-        led = ledger.Ledger(kind, body)
+                        key: bytes | None, on_first_byte: Callable[[], None] | None, exclude: frozenset[str],
+                        mode: str) -> Reply:
+        led = ledger.Ledger(kind, body, mode=mode)
         request_id = headers["x-request-id"]
 
         async def open_leg(leg_role: str, leg_body: dict, tried: frozenset[str]):
-            path = PATHS[kind] if not led.on_continuation else PATHS["completions"]
+            path = PATHS[kind] if not led.on_continuation or led.mode == "replay" else PATHS["completions"]
             return await self._with_retries(
                 leg_role, lambda pool, inst: self._open_leg(pool, inst, path, leg_body, headers, cost),
                 key if not led.on_continuation else None, tried)

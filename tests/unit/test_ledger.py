@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ascendserve.router.ledger import BackendFailed, Ledger, backend_body, events, why_not_migratable
+from ascendserve.router.ledger import BackendFailed, Ledger, backend_body, events, mode_of, why_not_migratable
 
 MODEL = "m"
 
@@ -190,3 +190,38 @@ def test_a_non_streaming_answer_has_vllms_fields_in_vllms_order():
 def test_sse_events_are_parsed_whole():
     evs, done = events(b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n')
     assert evs == [{"a": 1}, {"b": 2}] and done
+
+
+IMAGE = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},
+                                     {"type": "text", "text": "what is it?"}]}
+
+
+@pytest.mark.parametrize("body, mode", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "tokens"),
+    ({"messages": [IMAGE], "temperature": 0}, "replay"),
+    ({"messages": [IMAGE], "temperature": 0.7, "seed": 1}, "replay"),
+    ({"messages": [IMAGE], "temperature": 0.7}, None),
+    ({"messages": [IMAGE], "n": 2, "temperature": 0}, None),
+])
+def test_a_multimodal_chat_is_replayed_when_it_is_deterministic(body, mode):
+    assert mode_of("chat", body) == mode
+
+
+def test_a_replay_skips_what_the_client_has_and_checks_it():
+    led = Ledger("chat", {"messages": [IMAGE], "temperature": 0, "stream": True, "kv_transfer_params": {"a": 1}},
+                 mode="replay")
+    led.feed(chat(None, [], role=True))
+    led.feed(chat("ab", [4]))
+    led.feed(chat("", [5]))
+    led.cut("")
+    again = led.continuation()
+    assert again["messages"] == [IMAGE] and "kv_transfer_params" not in again and again["return_token_ids"]
+    assert led.feed(chat(None, [], role=True)) == []
+    assert led.feed(chat("a", [4])) == []
+    out = led.feed(chat("bc", [5, 6]))  # the rest of a known token's text, and a new token
+    assert out[0]["choices"][0]["delta"] == {"content": "c"} and out[0]["id"] == "chatcmpl-1"
+    assert led.generated == [4, 5, 6] and led.text == "abc"
+    led.cut("")
+    with pytest.raises(BackendFailed) as diverged:
+        led.feed(chat("ab", [4, 9]))
+    assert diverged.value.reason == "diverged"
