@@ -395,6 +395,11 @@ class Pipeline:
 
         async def open_leg(leg_role: str, leg_body: dict, tried: frozenset[str]):
             path = PATHS[kind] if not led.on_continuation or led.mode == "replay" else PATHS["completions"]
+            if leg_role == "decode" and led.on_continuation and led.mode == "tokens" \
+                    and len(leg_body["prompt"]) >= self.settings.migrate_via_prefill_tokens:
+                via = await self._via_prefill(leg_body, headers, cost, led.migrations)
+                if via is not None:
+                    leg_body, tried = via[0], tried | via[1]
             return await self._with_retries(
                 leg_role, lambda pool, inst: self._open_leg(pool, inst, path, leg_body, headers, cost),
                 key if not led.on_continuation else None, tried)
@@ -416,6 +421,28 @@ class Pipeline:
             raise APIError(502, gen.error, type="service_unavailable", code="backend_failed")
         self.metrics.observe_done(started)
         return Reply(body=led.response(), backend=gen.leg.instance.url)
+
+    async def _via_prefill(self, body: dict, headers: dict, cost: int,
+                           migration: int) -> tuple[dict, frozenset[str]] | None:
+        """A long continuation through a prefill instance (its prefix cache still holds the prompt;
+        D pulls the KV): D's body and the D that cannot pair, or None to let D recompute it alone
+        (no prefill of a pull/named/store flow, or the prefill hop failed)."""
+        request_id = f"{headers['x-request-id']}-m{migration}"
+        try:
+            pair = self._pair()
+            if pair.flow not in ("pull", "named", "store"):
+                return None
+            p_body = kv_flow.prefill_body(pair, body, request_id)
+            p_reply, p_inst = await self._with_retries(
+                "prefill", lambda pool, inst: self._post_leased(pool, inst, PATHS["completions"], p_body,
+                                                                 headers, cost), exclude=pair.p_out)
+            d_params = kv_flow.decode_params(pair, p_inst, p_reply, request_id)
+        except APIError as exc:
+            log.info("continuation recomputed on decode: the prefill hop failed", detail=exc.message[:200])
+            return None
+        log.info("continuation through prefill", request_id=headers["x-request-id"], prefill=p_inst.url,
+                 tokens=len(body["prompt"]))
+        return (dict(body, kv_transfer_params=d_params) if d_params is not None else body), pair.d_out
 
     async def _open_leg(self, pool: Pool, inst: Instance, path: str, body: dict, headers: dict, cost: int):
         """Open one engine stream and read its first whole events; an error event first is a

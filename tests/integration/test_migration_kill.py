@@ -3,7 +3,8 @@
 Real engines on the tiny text model. Two topologies:
 - mono: 2 pd instances behind the proxy; one is SIGKILLed (its whole process group, as a crash)
   while 16 greedy generations of 200 tokens run on both.
-- 1P1D with 2 D (pull connector): a decode instance is SIGKILLed the same way; once it is back,
+- 1P1D with 2 D (pull connector): a decode instance is SIGKILLed the same way (the continuations
+  go through the prefill again, as long ones do by default); once it is back,
   the other decode is SIGSTOPped (alive, silent) and must be given up within the stall deadline
   plus one health interval.
 The requests mix completions and chat, streaming and not, token ids asked for or not, repeated
@@ -164,9 +165,10 @@ def migrations(proxy_url: str) -> float:
                if line.startswith("ascendserve_proxy_migrations_total{"))
 
 
-def _proxy_config(tmp) -> str:
+def _proxy_config(tmp, via_prefill_tokens: int = 1024) -> str:
     path = tmp / "proxy.toml"
-    path.write_text(f"[proxy]\nhealth_interval_s = {HEALTH_S}\nhealth_timeout_s = 1.0\n")
+    path.write_text(f"[proxy]\nhealth_interval_s = {HEALTH_S}\nhealth_timeout_s = 1.0\n"
+                    f"migrate_via_prefill_tokens = {via_prefill_tokens}\n")
     return str(path)
 
 
@@ -200,7 +202,8 @@ def p_two_d(text_model, tmp_path_factory):
     procs = [prefill, *decodes]
     try:
         start_all(*procs)
-        proxy = control("proxy", logs, "--config", _proxy_config(logs), "--cluster-token", TOKEN,
+        # every continuation of a decode goes through the prefill again (the route long ones take)
+        proxy = control("proxy", logs, "--config", _proxy_config(logs, 0), "--cluster-token", TOKEN,
                         "--prefill", f"127.0.0.1:{prefill.port}", "--decode",
                         *(f"127.0.0.1:{d.port}" for d in decodes), "--stall-timeout", str(STALL_S))
         procs.append(proxy)
@@ -220,6 +223,7 @@ def test_sigkill_of_a_decode_instance_loses_no_request(p_two_d, text_oracle, tex
     answers, _ = wave(c["proxy"].url, reqs, victims, crash, TOKEN)
     check(answers, expected, reqs, special_ids(text_model))
     assert migrations(c["proxy"].url) >= 1, "no request was on the killed instance: the test proves nothing"
+    assert '"continuation through prefill"' in c["proxy"].log_text()
     killed = victims["hit"]
     killed.stop(timeout=5)
     killed.start()
