@@ -82,6 +82,16 @@ def why_not_migratable(kind: str, body: dict) -> str | None:
     return "several prompts"
 
 
+def error_of(event: dict) -> tuple[str, int | None] | None:
+    """An OpenAI error event's message and status (None: not an error event)."""
+    if "error" not in event and event.get("object") != "error":
+        return None
+    err = event["error"] if isinstance(event.get("error"), dict) else event
+    code = err.get("code")
+    status = int(code) if isinstance(code, int) or (isinstance(code, str) and code.isdigit()) else None
+    return str(err.get("message", err))[:300], status
+
+
 def backend_body(body: dict) -> dict:
     """What the engine is asked for: a stream with the token ids and the usage."""
     options = body.get("stream_options") if body.get("stream") is True else None
@@ -115,7 +125,6 @@ class Ledger:
     held: str = ""  # text recovered at a cut that may begin a stop string: not sent yet
     tail: str = ""  # the last characters sent before a cut, where a stop string may begin (include_stop)
     logprobs: list = field(default_factory=list)  # non-streaming: every event's logprobs, to join
-    template: dict | None = None  # chat: the first leg's last choice, the shape of a rebuilt chunk
     not_migratable: str | None = None  # learned from the stream (a reasoning or tool parser)
     fingerprint: str | None = None  # the engine's system_fingerprint
     final: dict | None = None  # the terminal event, held until the usage event stamps it
@@ -141,42 +150,46 @@ class Ledger:
 
     def feed(self, event: dict) -> list[dict]:
         """One parsed event of the current leg; the events the client gets for it (maybe none).
-        Raises BackendFailed on an error event."""
-        if "error" in event or event.get("object") == "error":
-            err = event.get("error") if isinstance(event.get("error"), dict) else event
-            code = err.get("code")
-            status = int(code) if isinstance(code, int) or (isinstance(code, str) and code.isdigit()) else None
-            raise BackendFailed("error_event", str(err.get("message", err))[:300], status)
+        Raises BackendFailed on an error event. (The happy path's cost is bench/proxy.py's
+        "x no ledger": keep it lean.)"""
         choices = event.get("choices")
-        if not isinstance(choices, list):
+        if choices.__class__ is not list:
+            error = error_of(event)
+            if error is not None:
+                raise BackendFailed("error_event", error[0], error[1])
             return []
         if not self.head:
             self.head = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
         if not choices:  # the usage event (choices [])
             return self._usage_event(event)
         choice = choices[0]
-        if self.on_continuation and self.mode == "replay":
+        if self.migrations and self.mode == "replay":
             return self._replayed(event, choice)
         if self.prompt_ids is None:
             ids = event.get("prompt_token_ids") if self.kind == "chat" else choice.get("prompt_token_ids")
             if isinstance(ids, list):
                 self.prompt_ids = ids
-        ids = choice.get("token_ids") or []
-        self.generated.extend(ids)
+        ids = choice.get("token_ids")
+        if ids:
+            self.generated += ids
         if choice.get("finish_reason") is not None:
             self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
-        if self.on_continuation:
+        if self.migrations:
             return self._continued(event, choice)
         if self.kind == "chat":
             delta = choice.get("delta") or {}
-            if delta.get("tool_calls") or delta.get("reasoning") or delta.get("reasoning_content"):
-                self.not_migratable = "the engine parses reasoning or tool calls"
-            self.text += delta.get("content") or ""
-            if "role" not in delta:
-                self.template = choice
+            if len(delta) > 1 or "content" not in delta:  # anything but plain content
+                if delta.get("tool_calls") or delta.get("reasoning") or delta.get("reasoning_content"):
+                    self.not_migratable = "the engine parses reasoning or tool calls"
+            content = delta.get("content")
+            if content:
+                self.text += content
         else:
-            self.text += choice.get("text") or ""
-            self._advance_offset(choice.get("logprobs"))
+            text = choice.get("text")
+            if text:
+                self.text += text
+            if choice.get("logprobs") is not None:
+                self._advance_offset(choice["logprobs"])
         return self._to_client(event, choice)
 
     def _advance_offset(self, logprobs) -> None:
@@ -193,11 +206,14 @@ class Ledger:
                 self.usage = event["usage"]
             return []
         if not self.want_ids:  # vLLM sends these keys as null when they were not asked for
-            for holder, key in ((choice, "token_ids"), (choice, "prompt_token_ids"), (event, "prompt_token_ids")):
-                if key in holder:
-                    holder[key] = None
-            if self.kind == "chat" and choice.get("delta") == {} and choice.get("finish_reason") is None \
-                    and choice.get("logprobs") is None:
+            if "token_ids" in choice:
+                choice["token_ids"] = None
+            if "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None
+            if "prompt_token_ids" in event:
+                event["prompt_token_ids"] = None
+            if self.kind == "chat" and not choice.get("delta") and choice.get("finish_reason") is None \
+                    and choice.get("logprobs") is None and "delta" in choice:
                 return []  # sent only because token ids were asked for
         if choice.get("finish_reason") is not None and not self.want_usage:
             self.final = event  # vLLM stamps its fingerprint here when no usage event follows: wait for it
@@ -462,9 +478,13 @@ def events(data: bytes) -> tuple[list[dict], bool]:
             if payload == b"[DONE]":
                 done = True
             elif payload:
-                out.append(msgspec.json.decode(payload))
+                out.append(_decode(payload))
     return out, done
 
 
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
 def encode(event: dict) -> bytes:
-    return b"data: " + msgspec.json.encode(event) + b"\n\n"
+    return b"data: " + _encode(event) + b"\n\n"

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
+import msgspec
 import structlog
 
 from ascendserve.protocol.openai import APIError
@@ -43,10 +44,10 @@ class Leg:
         first token longer than any stall deadline) or a broken connection."""
         deadline = time.monotonic() + stall_s
         while True:
-            try:
-                chunk = await asyncio.wait_for(self.response.content.readany(),
-                                               max(0.0, min(EJECTION_CHECK_S, deadline - time.monotonic())))
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout: a timer, where wait_for would make a task per read
+                async with asyncio.timeout(max(0.0, min(EJECTION_CHECK_S, deadline - time.monotonic()))):
+                    chunk = await self.response.content.readany()
+            except TimeoutError:
                 if self.instance.state == EJECTED:
                     raise BackendFailed("ejected", "its health checks failed while it was silent") from None
                 if time.monotonic() >= deadline:
@@ -57,11 +58,11 @@ class Leg:
             deadline = time.monotonic() + stall_s
             if not chunk:
                 rest = self.framer.flush()
-                evs, done = events(rest) if rest else ([], False)
+                evs, done = _parsed(rest) if rest else ([], False)
                 return evs, done, True
             whole = self.framer.feed(chunk)
             if whole:
-                evs, done = events(whole)
+                evs, done = _parsed(whole)
                 return evs, done, False
 
     def close(self, ok: bool) -> None:
@@ -119,17 +120,16 @@ class Generation:
                     why_not = led.not_migratable or ("its replay generated other tokens" if failure.reason == "diverged"
                                                      else None) or (
                         "migration limit reached" if led.migrations >= self.settings.migration_limit else None)
-                    if why_not:
-                        self._fail(f"backend {self.role} instance failed mid-stream ({failure.reason}: "
-                                   f"{failure.detail[:120]}); not continued: {why_not}")
-                        if led.stream:
-                            yield _error_event(self.error)
-                        return
-                    try:
-                        await self._migrate(inst, failure.reason)
-                    except APIError as exc:
-                        self._fail(f"backend {self.role} instance failed mid-stream ({failure.reason}) and no "
-                                   f"other could continue: {exc.message[:200]}")
+                    message = (f"backend {self.role} instance failed mid-stream ({failure.reason}: "
+                               f"{failure.detail[:120]}); not continued: {why_not}") if why_not else ""
+                    if not message:
+                        try:
+                            await self._migrate(inst, failure.reason)
+                        except APIError as exc:
+                            message = (f"backend {self.role} instance failed mid-stream ({failure.reason}) and "
+                                       f"no other could continue: {exc.message[:200]}")
+                    if message:
+                        self._fail(message)
                         if led.stream:
                             yield _error_event(self.error)
                         return
@@ -144,41 +144,53 @@ class Generation:
                     detail=message[:300], tokens=len(self.ledger.generated))
 
     async def _leg(self) -> AsyncIterator[bytes]:
+        """The current leg's events to the client, one write per read from the engine."""
         led = self.ledger
         evs, done, ended = self.pending, self.pending_done, False
         self.pending = []
         while True:
-            for ev in evs:
-                if self.fixing and led.on_continuation:
+            if self.fixing and led.on_continuation:
+                for ev in evs:
                     await self._fix_text(ev)
-                for out in led.feed(ev):
-                    if self.failed_at is not None:
-                        gap = time.monotonic() - self.failed_at
-                        self.metrics.migration_gap.observe(gap)
-                        log.info("migration resumed", request_id=self.request_id, gap_ms=round(gap * 1000, 1))
-                        self.failed_at = None
-                    if led.stream:
-                        yield encode(out)
-                if led.stopped:  # a stop string across the cut: the engine's request is aborted
+            out: list[bytes] = []
+            try:
+                if self._events(evs, out):  # a stop string across the cut ended the answer
                     self.leg.close(ok=True)
-                    for out in self._close_finished():
-                        yield out
+                    out += self._close_finished()
                     return
-            if done:
-                if not led.finished:
-                    raise BackendFailed("ended", "[DONE] before a finish_reason")
-                if led.stream:
-                    for out in led.flush_final():
-                        yield encode(out)
-                    yield b"data: [DONE]\n\n"
-                return
-            if ended:
-                if led.finished:  # ended cleanly without [DONE]: complete it
-                    for out in self._close_finished():
-                        yield out
+                if done:
+                    if not led.finished:
+                        raise BackendFailed("ended", "[DONE] before a finish_reason")
+                    if led.stream:
+                        out += [encode(e) for e in led.flush_final()]
+                        out.append(b"data: [DONE]\n\n")
                     return
-                raise BackendFailed("ended", "stream ended before the request finished")
+                if ended:
+                    if not led.finished:
+                        raise BackendFailed("ended", "stream ended before the request finished")
+                    out += self._close_finished()  # ended cleanly without [DONE]: complete it
+                    return
+            finally:
+                if out:
+                    yield b"".join(out)
             evs, done, ended = await self.leg.next_events(self.settings.stall_timeout_s)
+
+    def _events(self, evs: list[dict], out: list[bytes]) -> bool:
+        """Feed one read's events to the ledger, the client's bytes to `out`; True once the proxy
+        itself ended the answer (a stop string across the cut)."""
+        led = self.ledger
+        for ev in evs:
+            for event in led.feed(ev):
+                if self.failed_at is not None:
+                    gap = time.monotonic() - self.failed_at
+                    self.metrics.migration_gap.observe(gap)
+                    log.info("migration resumed", request_id=self.request_id, gap_ms=round(gap * 1000, 1))
+                    self.failed_at = None
+                if led.stream:
+                    out.append(encode(event))
+            if led.stopped:
+                return True
+        return False
 
     def _close_finished(self) -> list[bytes]:
         """The engine sent the last token and died before its usage event and [DONE]."""
@@ -229,7 +241,7 @@ class Generation:
         gained with this event (from /detokenize, as at the cut), as the uninterrupted stream
         would have sent it once the character was complete."""
         choices = ev.get("choices")
-        if not choices or not (choices[0].get("text") or ""):
+        if not self.fixing or not choices or not (choices[0].get("text") or ""):
             return
         self.fixing = False
         led = self.ledger
@@ -239,6 +251,13 @@ class Generation:
             log.warning("continuation text not checked: /detokenize did not agree", request_id=self.request_id)
             return
         choices[0]["text"] = full[len(self.base) + len(self.cut_text):]
+
+
+def _parsed(data: bytes) -> tuple[list[dict], bool]:
+    try:
+        return events(data)
+    except msgspec.DecodeError as exc:
+        raise BackendFailed("error_event", f"an event that is not JSON: {exc}") from None
 
 
 def _error_event(message: str) -> bytes:

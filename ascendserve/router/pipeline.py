@@ -457,14 +457,11 @@ class Pipeline:
                     evs, done, ended = await leg.next_events(self.settings.request_timeout_s)
                 if not evs:
                     raise UpstreamError(inst.url, None, "stream ended before the first event")
-                first = evs[0]
-                if "error" in first or first.get("object") == "error":
-                    err = first.get("error") if isinstance(first.get("error"), dict) else first
-                    code = err.get("code")
-                    status = int(code) if str(code).isdigit() else 502
-                    raise UpstreamError(inst.url, status if status >= 400 else 502,
-                                        f"error event first: {str(err.get('message'))[:200]}",
-                                        msgspec.json.encode(first))
+                error = ledger.error_of(evs[0])
+                if error is not None:  # 4xx goes to the client, anything else is retried
+                    status = error[1] if error[1] is not None and error[1] >= 400 else 502
+                    raise UpstreamError(inst.url, status, f"error event first: {error[0][:200]}",
+                                        msgspec.json.encode(evs[0]))
             except ledger.BackendFailed as failed:
                 response.close()
                 raise UpstreamError(inst.url, None, f"stream broke before the first event: {failed.detail}") from None
