@@ -12,6 +12,7 @@ role: the ledger's token-id continuation, spliced onto what the client already h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -98,8 +99,9 @@ class Generation:
         try:
             while True:
                 try:
-                    async for out in self._leg():
-                        yield out
+                    async with contextlib.aclosing(self._leg()) as leg_events:
+                        async for out in leg_events:
+                            yield out
                     ok = True
                     return
                 except BackendFailed as failure:
@@ -108,9 +110,8 @@ class Generation:
                     self.failed_at = time.monotonic()
                     if failure.reason == "stall":
                         self.on_stall(inst)
-                    elif failure.reason == "ejected":
-                        pass
-                    else:  # a reset is most often a dead instance: its health check says at once
+                    elif failure.reason not in ("ejected", "diverged"):  # most often a dead instance:
+                        # its health check says at once
                         self.on_broken(inst)
                     if led.finished:  # it died after its last token: nothing is missing but the usage
                         for out in self._close_finished():
