@@ -30,7 +30,7 @@ TOKENS = 200
 STALL_S = 4.0
 HEALTH_S = 1.0
 TOKEN = "migration-token"
-RECOMPUTE_S = 10.0  # a continuation's prefill on a 2-core host busy with 16 streams, with room
+RECOMPUTE_S = 20.0  # a continuation's prefill on a 2-core host busy with 16 streams and the other worker
 SYSTEM = "You answer questions about the harbour, its boats and its lighthouse, briefly and plainly. " * 3
 
 
