@@ -117,8 +117,9 @@ def wave(proxy_url: str, reqs, victims: dict, how, token: str = "") -> tuple[lis
                 busy = {i["url"]: i["active_requests"] for i in
                         (await client.get(proxy_url + "/instances", headers=_admin(token))).json()["instances"]
                         if i["url"] in victims}
-                streaming = [p for p in progress if p]
-                if len(streaming) >= 4 and sorted(streaming)[len(streaming) // 2] >= 8 and all(busy.values()):
+                streaming = [progress[i] for i, (_, b) in enumerate(reqs) if b["stream"]]
+                # every stream well under way (so both instances are generating, not prefilling)
+                if min(streaming) >= 8 and all(busy.values()):
                     victim = victims[max(busy, key=busy.get)]
                     hit_at = time.monotonic()
                     killer = asyncio.ensure_future(asyncio.to_thread(how, victim))  # crash() waits for its end
