@@ -38,7 +38,8 @@ class Leg:
     def instance(self) -> Instance:
         return self.lease.instance
 
-    async def next_events(self, stall_s: float) -> tuple[list[dict], bool, bool]:
+    async def next_events(self, stall_s: float, elsewhere: Callable[[], bool] = lambda: True
+                          ) -> tuple[list[dict], bool, bool]:
         """The next whole events, whether [DONE] came, whether the stream ended. Raises
         BackendFailed on a stall (no byte for `stall_s`), on the instance's ejection by its
         health checks while it says nothing (a frozen instance may hold a request before its
@@ -52,7 +53,9 @@ class Leg:
                 if self.instance.state == EJECTED:
                     raise BackendFailed("ejected", "its health checks failed while it was silent") from None
                 if time.monotonic() >= deadline:
-                    raise BackendFailed("stall", f"no event for {stall_s:g} s") from None
+                    if elsewhere():
+                        raise BackendFailed("stall", f"no event for {stall_s:g} s") from None
+                    deadline = time.monotonic() + stall_s  # a slow instance, and no other: keep waiting
                 continue
             except (aiohttp.ClientError, ConnectionError, OSError) as exc:
                 raise BackendFailed("connection", repr(exc)) from None
@@ -138,6 +141,10 @@ class Generation:
             if self.leg is not None:
                 self.leg.close(ok=ok)
 
+    def _elsewhere(self) -> bool:
+        """Is there another live instance to continue on, should this one go silent?"""
+        return self.pick(self.role, frozenset({self.leg.instance.url})) not in (None, self.leg.instance)
+
     def _fail(self, message: str) -> None:
         self.error = message
         self.metrics.errors.labels("mid_stream").inc()
@@ -151,8 +158,10 @@ class Generation:
         self.pending = []
         while True:
             if self.fixing and led.on_continuation:
+                before: list[int] = []  # ids of this read's events before the one being fixed
                 for ev in evs:
-                    await self._fix_text(ev)
+                    await self._fix_text(ev, before)
+                    before += ((ev.get("choices") or [{}])[0].get("token_ids") or []) if ev.get("choices") else []
             out: list[bytes] = []
             try:
                 if self._events(evs, out):  # a stop string across the cut ended the answer
@@ -174,7 +183,7 @@ class Generation:
             finally:
                 if out:
                     yield b"".join(out)
-            evs, done, ended = await self.leg.next_events(self.settings.stall_timeout_s)
+            evs, done, ended = await self.leg.next_events(self.settings.stall_timeout_s, self._elsewhere)
 
     def _events(self, evs: list[dict], out: list[bytes]) -> bool:
         """Feed one read's events to the ledger, the client's bytes to `out`; True once the proxy
@@ -236,7 +245,7 @@ class Generation:
         log.warning("request migrated", request_id=self.request_id, role=self.role, reason=reason,
                     from_=failed.url, to=self.leg.instance.url, tokens=len(led.generated), migration=led.migrations)
 
-    async def _fix_text(self, ev: dict) -> None:
+    async def _fix_text(self, ev: dict, before: list[int]) -> None:
         """The first non-empty text of a continuation whose detokenizer was primed with an
         incomplete character repeats the prompt: its text is what the generated tokens' text
         gained with this event (from /detokenize, as at the cut), as the uninterrupted stream
@@ -246,7 +255,7 @@ class Generation:
             return
         self.fixing = False
         led = self.ledger
-        ids = list(led.prompt_ids or ()) + led.generated + list(choices[0].get("token_ids") or ())
+        ids = list(led.prompt_ids or ()) + led.generated + before + list(choices[0].get("token_ids") or ())
         full = await self.detokenize(self.leg.instance, ids)
         if full is None or not full.startswith(self.base) or not full[len(self.base):].startswith(self.cut_text):
             log.warning("continuation text not checked: /detokenize did not agree", request_id=self.request_id)

@@ -2,7 +2,7 @@
 
 Real engines on the tiny text model. Two topologies:
 - mono: 2 pd instances behind the proxy; one is SIGKILLed (its whole process group, as a crash)
-  while 16 greedy generations of 200 tokens run on both.
+  while 16 greedy generations of 600 tokens run on both.
 - 1P1D with 2 D (pull connector): a decode instance is SIGKILLed the same way (the continuations
   go through the prefill again, as long ones do by default); once it is back,
   the other decode is SIGSTOPped (alive, silent) and must be given up within the stall deadline
@@ -26,7 +26,7 @@ import pytest
 from tests.procs import ascendserve, control, crash, signal_group, start_all, wait_for
 
 pytestmark = pytest.mark.integration
-TOKENS = 200
+TOKENS = 600  # ~4 s a stream here: 200 (1.4 s) left a CI wave's victim done before the kill landed
 STALL_S = 4.0
 HEALTH_S = 1.0
 TOKEN = "migration-token"
@@ -75,9 +75,19 @@ async def _one(client, url: str, path: str, body: dict, progress: list, idx: int
                 "finish": [c["finish_reason"]], "usage": r.json()["usage"], "done_at": time.monotonic(),
                 "took": time.monotonic() - started, "errors": [], "times": []}
     ids, text, finish, usage, errors, done, times = [], "", [], None, [], False, []
+    async def lines(r):
+        """SSE lines split at LF only (httpx's aiter_lines also splits at U+2028 and the like,
+        which the tiny model's text holds raw in vLLM's JSON)."""
+        buf = b""
+        async for chunk in r.aiter_bytes():
+            buf += chunk
+            *whole, buf = buf.split(b"\n")
+            for line in whole:
+                yield line.decode()
+
     async with client.stream("POST", url + path, json=body) as r:
         assert r.status_code == 200, f"request {idx}: {r.status_code}"
-        async for line in r.aiter_lines():
+        async for line in lines(r):
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
