@@ -74,7 +74,7 @@ class Leg:
         self.lease.release(ok=ok)
 
 
-OpenLeg = Callable[[str, dict, frozenset[str]], Awaitable[tuple[Leg, list[dict], bool]]]  # role, body, tried
+OpenLeg = Callable[[str, dict, frozenset[str]], Awaitable[tuple[Leg, list[dict], bool]]]  # role, body, instances it may not use
 
 
 class Generation:
@@ -90,7 +90,6 @@ class Generation:
         self.on_stall, self.on_broken = on_stall, on_broken
         self.request_id = request_id
         self.failed_at: float | None = None
-        self.tried: set[str] = {first.instance.url}
         self.base = ""  # the original prompt's text (/detokenize), for the text across a cut
         self.fixing = False  # the cut fell inside a character: the next text comes from /detokenize
         self.cut_text = ""  # the generated tokens' text at the cut, up to its last whole character
@@ -240,7 +239,6 @@ class Generation:
         # a dead one is ejected by its health check by then)
         self.leg, self.pending, self.pending_done = await self.open_leg(self.role, led.continuation(),
                                                                         frozenset({failed.url}))
-        self.tried.add(self.leg.instance.url)
         self.metrics.migrations.labels(self.role, reason).inc()
         log.warning("request migrated", request_id=self.request_id, role=self.role, reason=reason,
                     from_=failed.url, to=self.leg.instance.url, tokens=len(led.generated), migration=led.migrations)
