@@ -162,6 +162,20 @@ def repeat_bound(first_s: float) -> float:
     return max(REPEAT_FACTOR * first_s, first_s + REPEAT_FLOOR_S)
 
 
+def check_repeat_times(seconds: list[float], again, what: str) -> None:
+    """Each repeat after the first finishes within `repeat_bound` of the first. A repeat over
+    the bound is timed again (`again()` sends it once more and returns its seconds), up to
+    twice: a silent fallback is slow every time, while another test's engines taking the
+    cores (two workers on two cores in CI) slow one run, not three in a row."""
+    for i, s in enumerate(seconds[1:], 2):
+        tries = [s]
+        while min(tries) > repeat_bound(seconds[0]) and len(tries) < 3:
+            tries.append(again())
+        assert min(tries) <= repeat_bound(seconds[0]), \
+            f"{what}: repeat {i} took {min(tries):.2f} s at best (tries {[round(t, 2) for t in tries]}) against " \
+            f"{seconds[0]:.2f} s for the first: a silent fallback? {seconds}"
+
+
 def check_repeats(url: str, oracle_url: str, model: str, prompt: str, times: int = 3,
                   tie_nats: float = TIE_NATS, oracle_model: str | None = None) -> list[float]:
     """The same completion `times` times, one after another: each equals the oracle's and
@@ -175,9 +189,7 @@ def check_repeats(url: str, oracle_url: str, model: str, prompt: str, times: int
         assert_greedy(ids, expected, oracle_url, completion_body(oracle_model, prompt), f"repeat {i + 1} of a "
                       f"{len(prompt)}-token prompt", tie_nats)
         seconds.append(s)
-    for i, s in enumerate(seconds[1:], 2):
-        assert s <= repeat_bound(seconds[0]), \
-            f"repeat {i} took {s:.2f} s against {seconds[0]:.2f} s for the first: a silent fallback? {seconds}"
+    check_repeat_times(seconds, lambda: completion(url, model, prompt)[1], f"a {len(prompt)}-token prompt")
     return seconds
 
 
