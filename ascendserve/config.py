@@ -135,6 +135,17 @@ class NetLoaderConfig(_Section):
     max_clients: Annotated[int, Meta(ge=1, le=1024)] = 16  # transfers a seed runs at once
 
 
+class KVEventsConfig(_Section):
+    # vLLM's KV cache events (blocks stored / removed), which the proxy's KV-aware routing reads.
+    # Unset: on for pd and prefill (the roles that compute prompts), off for decode. The events
+    # carry prompt token ids and ZMQ has no authentication: bound to `host` (loopback unless set).
+    enabled: bool | None = None
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # publisher; 0 = server.port + 1500 (DP rank r: + r)
+    replay_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # missed batches on request; 0 = port + DP ranks
+    buffer_steps: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000  # batches kept for replay
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -166,7 +177,14 @@ class ProxyConfig(_Section):
     encoder_fallback: Literal["local", "fail"] = "local"
     mm_hash_algorithm: Literal["blake3", "sha256", "sha512"] = "blake3"  # the engines' --mm-hasher-algorithm
     max_image_pixels: PositiveInt = 178_956_970  # larger images get 400 at the proxy (vLLM's own default limit)
-    prefix_aware: bool = False
+    # how a pd or prefill instance is chosen: kv (the engines' KV events: cached blocks against load,
+    # router/kv_route.py; by load where an instance's cache is unknown), load, prefix (text affinity)
+    routing: Literal["kv", "load", "prefix"] = "kv"
+    kv_overlap_weight: NonNegative = 1.0  # cost = weight x uncached prompt blocks + blocks in flight
+    kv_temperature: NonNegative = 0.0  # 0: the cheapest; > 0: softmax over -cost / (temperature x blocks)
+    kv_tokenizer: Literal["auto", "engine", "local"] = "auto"  # the prompt's token ids: local files or /tokenize
+    kv_index_max_blocks: PositiveInt = 2_000_000  # per instance; above it the index is rebuilt from scratch
+    prefix_aware: bool = False  # = routing "prefix" (the older switch)
     prefix_chars: PositiveInt = 1024
     prefix_slack_tokens: NonNegative = 0.0  # how much busier the prefix-affine instance may be
     max_retries: Annotated[int, Meta(ge=0, le=20)] = 3
@@ -227,6 +245,7 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     kv: KVConfig = msgspec.field(default_factory=KVConfig)
+    kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
     ec: ECConfig = msgspec.field(default_factory=ECConfig)
     netloader: NetLoaderConfig = msgspec.field(default_factory=NetLoaderConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
@@ -426,6 +445,7 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
             if config.kv.port > 65535:
                 raise ConfigError(f"kv.port defaults to server.port + 1000 = {config.kv.port}, above 65535; "
                                   "set kv.port (--kv-port)")
+        _finish_kv_events(config)
         if not config.ec.path:
             config.ec.path = str(Path(config.runtime_dir) / "ec")
         if not config.kv.engine_id:
@@ -537,7 +557,23 @@ def _expand(kind: str, hosts: list[str], ports: list[int], hosts_num: list[int],
     return [f"{h}:{p}" for h, p in zip(hosts, ports)]
 
 
+def _finish_kv_events(config: Config) -> None:
+    ev, e = config.kv_events, config.engine
+    if ev.enabled is None:
+        ev.enabled = config.role in ("pd", "prefill")
+    ranks = e.data_parallel_size if e.data_parallel_rank is None else 1  # internal DP: a publisher per rank
+    if not ev.port:
+        ev.port = config.server.port + 1500
+    if not ev.replay_port:
+        ev.replay_port = ev.port + ranks
+    if ev.enabled and max(ev.port, ev.replay_port) + ranks - 1 > 65535:
+        raise ConfigError(f"kv_events ports {ev.port} and {ev.replay_port} (+ DP ranks) go above 65535; set "
+                          "kv_events.port and kv_events.replay_port (--kv-events-port)")
+
+
 def _finish_proxy(proxy: ProxyConfig, cluster: ClusterConfig) -> None:
+    if proxy.prefix_aware:
+        proxy.routing = "prefix"
     if proxy.prefiller_hosts or proxy.prefiller_ports:
         proxy.prefill += _expand("prefiller", proxy.prefiller_hosts, proxy.prefiller_ports,
                                  proxy.prefiller_hosts_num, proxy.prefiller_ports_inc)
@@ -566,7 +602,8 @@ def _check_model(path: str) -> None:
 
 # Sections that mean something to each kind of role (the rest is noise in its log).
 _SECTIONS = {
-    "engine": {"role", "instance_id", "runtime_dir", "server", "model", "engine", "kv", "ec", "log", "cluster"},
+    "engine": {"role", "instance_id", "runtime_dir", "server", "model", "engine", "kv", "kv_events", "ec", "log",
+               "cluster"},
     "proxy": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "proxy", "ec"},
     "metaserver": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "metaserver"},
 }

@@ -7,7 +7,8 @@ from ascendserve.config import Config
 from ascendserve.discovery.heartbeat import Heartbeat
 from ascendserve.engine.startup_stop import exit_now
 from ascendserve.engine.kv_args import kv_registration
-from ascendserve.engine.vllm_server import interrupted_during_startup, serve
+from ascendserve.engine import kv_events
+from ascendserve.engine.vllm_server import interrupted_during_startup, passthrough_args, serve
 from ascendserve.launch.children import reap_children
 from ascendserve.launch.shm_ledger import ShmLedger
 from ascendserve.logging import get_logger
@@ -22,12 +23,18 @@ def run_engine(config: Config) -> int:
         log.warning("removed the shared memory a killed run of this instance left", names=removed)
     ledger.start()
     heartbeat = None
+    user_args = passthrough_args(config)
+    if kv_events.enabled(config, user_args) and not kv_events.is_loopback(config.kv_events.host):
+        log.warning("KV events are published on a non-loopback address without authentication: whoever "
+                    "reaches it reads the token ids of every prompt this instance caches",
+                    address=f"{config.kv_events.host}:{config.kv_events.port}")
     if config.cluster.metaserver_url:
         heartbeat = Heartbeat(config.cluster.metaserver_url, config.cluster.token, config.instance_id,
                               config.role, config.advertise_url, config.local_url,
                               config.model.served_name or config.model.path,
                               config.metaserver.heartbeat_interval_s,
-                              {**seed_registration(config), **kv_registration(config)},
+                              {**seed_registration(config), **kv_registration(config),
+                               **kv_events.registration(config, user_args)},
                               tls_ca=config.cluster.tls_ca).start()
     try:
         code = serve(config)

@@ -27,7 +27,7 @@ import structlog
 
 _log = structlog.get_logger("ascendserve.http")
 # Probed every few seconds by proxies and scrapers: keep them out of info logs.
-_QUIET_PATHS = frozenset({"/health", "/metrics", "/ping", "/v1/models", "/load", "/kv_info"})
+_QUIET_PATHS = frozenset({"/health", "/metrics", "/ping", "/v1/models", "/load", "/kv_info", "/cache_info"})
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -121,17 +121,19 @@ class ClusterGuard:
         await send({"type": "http.response.body", "body": _REFUSED})
 
 
-class KVInfo:
-    """GET /kv_info: this instance's KV connector (ASCENDSERVE_KV_INFO, set by the role:
-    connector, flow, engine_id, kv_port), which the proxy reads when it admits an instance
-    so that it pairs P and D of one connector only. 404 where the role set none."""
+class InfoRoute:
+    """GET `path`: a JSON body the role set in the environment for vLLM's processes, 404 (vLLM's)
+    where it set none. /kv_info (ASCENDSERVE_KV_INFO): the KV connector (connector, flow,
+    engine_id, kv_port), which the proxy reads when it admits an instance so that it pairs P and
+    D of one connector only. /cache_info (ASCENDSERVE_CACHE_INFO): where the instance publishes
+    its KV cache events and how it hashes blocks (engine/kv_events.py), for the proxy's routing."""
 
-    def __init__(self, app, info: str | None = None):
-        self.app = app
-        self.body = (os.environ.get("ASCENDSERVE_KV_INFO", "") if info is None else info).encode()
+    def __init__(self, app, path: str, env: str, info: str | None = None):
+        self.app, self.path = app, path
+        self.body = (os.environ.get(env, "") if info is None else info).encode()
 
     async def __call__(self, scope, receive, send):
-        if not (self.body and scope["type"] == "http" and scope.get("path") == "/kv_info"
+        if not (self.body and scope["type"] == "http" and scope.get("path") == self.path
                 and scope.get("method") == "GET"):
             return await self.app(scope, receive, send)
         await send({"type": "http.response.start", "status": 200,
@@ -140,12 +142,20 @@ class KVInfo:
         await send({"type": "http.response.body", "body": self.body})
 
 
+def KVInfo(app, info: str | None = None) -> InfoRoute:
+    return InfoRoute(app, "/kv_info", "ASCENDSERVE_KV_INFO", info)
+
+
+def CacheInfo(app, info: str | None = None) -> InfoRoute:
+    return InfoRoute(app, "/cache_info", "ASCENDSERVE_CACHE_INFO", info)
+
+
 class EngineMiddleware:
     """What engine roles pass as vLLM's one `--middleware` (vLLM warns on a repeated flag):
     the request context outermost, so refused requests are logged with their id too."""
 
     def __init__(self, app):
-        self.app = RequestContext(KVInfo(ClusterGuard(app)))
+        self.app = RequestContext(KVInfo(CacheInfo(ClusterGuard(app))))
 
     async def __call__(self, scope, receive, send):
         return await self.app(scope, receive, send)

@@ -19,6 +19,7 @@ from typing import Any
 from ascendserve.config import Config, ConfigError, redact_args
 from ascendserve.engine.host_defaults import engine_dtype, memory_args, process_env
 from ascendserve.engine.kv_args import kv_env, kv_transfer_config
+from ascendserve.engine.kv_events import events_args, events_env
 from ascendserve.engine.startup_stop import StartupInterrupted, _StartupStop
 from ascendserve.logging import get_logger, vllm_dictconfig
 
@@ -38,6 +39,7 @@ OWNED = {
     "kv-transfer-config": "[kv] (the role picks the KV side)",
     "ec-transfer-config": "[ec] (the role picks the EC side)",
     "mm-encoder-only": "--role encoder",
+    "kv-events-config": "[kv_events] (--kv-events, --kv-events-host, --kv-events-port)",
 }
 
 EC_CONNECTORS = {"example": "ECExampleConnector", "shm": "AscendECShmConnector", "store": "AscendECStoreConnector"}
@@ -176,7 +178,8 @@ def build_argv(config: Config) -> list[str]:
     argv += memory_args(config, dtype=dtype)
     if e.enforce_eager:
         argv.append("--enforce-eager")
-    return argv + parallel_args(config) + role_args(config) + passthrough_args(config)
+    user = passthrough_args(config)
+    return argv + parallel_args(config) + role_args(config) + events_args(config, user) + user
 
 
 def parallel_args(config: Config) -> list[str]:
@@ -250,6 +253,7 @@ def prepare_environment(config: Config) -> dict[str, str]:
         # from the engine config, which vLLM logs.
         "ASCENDSERVE_CLUSTER_TOKEN": config.cluster.token,
         **kv_env(config),
+        **events_env(config, passthrough_args(config)),
         **process_env(),
     }
 

@@ -57,5 +57,6 @@ class Registry:
             revision=self.revision, heartbeat_timeout_s=self.timeout,
             instances=[InstanceView(instance_id=i, role=e.reg.role, url=e.reg.url, model=e.reg.model,
                                     version=e.reg.version, load=e.reg.load, age_s=round(now - e.registered_at, 3),
-                                    seed=e.reg.seed, seed_model=e.reg.seed_model, kv=e.reg.kv)
+                                    seed=e.reg.seed, seed_model=e.reg.seed_model, kv=e.reg.kv,
+                                    cache=e.reg.cache)
                        for i, e in sorted(self._entries.items()) if role is None or e.reg.role == role])

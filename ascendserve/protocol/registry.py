@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from ascendserve.protocol.kv_connectors import KVInfo
+from ascendserve.protocol.kv_events import CacheInfo
 
 ENGINE_ROLES = ("encoder", "prefill", "decode", "pd")
 # Roles that may register: the engines, and NetLoader seeds without an engine.
@@ -31,6 +32,8 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed_model: str = ""
     # P and D: their KV connector (protocol/kv_connectors.py); the proxy pairs only equal ones
     kv: KVInfo | None = None
+    # pd and prefill: where its KV cache events are published and how it hashes blocks
+    cache: CacheInfo | None = None
 
     def check(self) -> str | None:
         if self.role not in REGISTERED_ROLES:
@@ -39,6 +42,8 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return f"url must be http(s)://host:port, got {self.url!r}"
         if not self.instance_id or len(self.instance_id) > 256:
             return "instance_id must be 1..256 characters"
+        if self.cache is not None and (why := self.cache.check()):
+            return why
         return self.kv.check() if self.kv is not None else None
 
 
@@ -64,6 +69,7 @@ class InstanceView(msgspec.Struct, kw_only=True):
     seed: str = ""
     seed_model: str = ""
     kv: KVInfo | None = None
+    cache: CacheInfo | None = None
 
 
 class RegistryView(msgspec.Struct, kw_only=True):

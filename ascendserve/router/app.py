@@ -26,6 +26,8 @@ from ascendserve.protocol.openai import APIError, error_body, parse
 from ascendserve.protocol.wire import decode_json
 from ascendserve.router.discovery import RegistryWatch
 from ascendserve.router.health import HealthMonitor
+from ascendserve.router.kv_index import KVEvents, follow_states, reachable, sync
+from ascendserve.router.kv_route import KVRouter
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
@@ -218,11 +220,17 @@ def create_app(config: Config) -> Litestar:
     upstream = Upstream(settings.request_timeout_s, settings.connect_timeout_s, backend_headers,
                         client_context(config.cluster.tls_ca))
     metrics_ = ProxyMetrics(pools)
-    health_ = HealthMonitor(pools, upstream, settings)
+    events = kv_router = None
+    if settings.routing == "kv":
+        events = KVEvents(settings.kv_index_max_blocks, can_reach=reachable)
+        kv_router = KVRouter(pools, upstream, events, settings, metrics_)
+        metrics_.watch_kv(events)
+    health_ = HealthMonitor(pools, upstream, settings, *((follow_states(events), lambda: sync(events, pools))
+                                                         if events is not None else ()))
     pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
                         config.cluster.metaserver_url, config.cluster.token,
                         ECLookup.from_config(config.ec, settings.mm_hash_algorithm), health_.suspect,
-                        health_.wake)
+                        health_.wake, kv_router)
     watch = None
     if config.cluster.metaserver_url:
         watch = RegistryWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,
@@ -240,6 +248,8 @@ def create_app(config: Config) -> Litestar:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if events is not None:
+                await events.close()
             await upstream.close()
             if pipeline.ec_lookup is not None:
                 pipeline.ec_lookup.close()

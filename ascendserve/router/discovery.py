@@ -61,6 +61,8 @@ class RegistryWatch:
                 inst = self.pools[role].add(url, source="registry", instance_id=info.instance_id)
                 if info.kv is not None:
                     inst.kv = info.kv
+                if info.cache is not None:
+                    inst.cache = info.cache
                 log.info("instance joined through the registry", role=role, url=url, instance=info.instance_id)
                 added = True
         for inst in self.pools.all_instances():

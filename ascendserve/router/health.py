@@ -17,6 +17,7 @@ import structlog
 
 from ascendserve.config import ProxyConfig
 from ascendserve.protocol.kv_connectors import KVInfo
+from ascendserve.protocol.kv_events import CacheInfo
 from ascendserve.protocol.wire import decode_json
 from ascendserve.router.pools import ACTIVE, DRAINING, EJECTED, PROBING, Instance, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
@@ -25,9 +26,11 @@ log = structlog.get_logger("ascendserve.router.health")
 
 
 class HealthMonitor:
-    def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig):
+    def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig, on_state=None, after_checks=None):
         self.pools, self.upstream, self.settings = pools, upstream, settings
         self._wake = asyncio.Event()
+        self.on_state = on_state or (lambda inst, state, before: None)  # an instance changed state
+        self.after_checks = after_checks or (lambda: None)  # every round of checks is done
 
     def wake(self) -> None:
         """Probe now (an instance was just added)."""
@@ -69,6 +72,7 @@ class HealthMonitor:
     async def check_all(self) -> None:
         instances = [i for i in self.pools.all_instances() if i.state != DRAINING]
         await asyncio.gather(*(self._check(i) for i in instances))
+        self.after_checks()
 
     async def _check(self, inst: Instance) -> None:
         if inst.state == PROBING:
@@ -105,6 +109,8 @@ class HealthMonitor:
             inst.root = roots[0] if roots else ""
             if inst.role in ("prefill", "decode"):
                 await self._kv_info(inst)
+            if inst.role in ("prefill", "pd"):
+                await self._cache_info(inst)
             return True
         except UpstreamError as exc:
             inst.last_error = f"GET {url}: {exc.detail[:200] or exc.status}"
@@ -130,6 +136,23 @@ class HealthMonitor:
         if info.check() is None:
             inst.kv = info
 
+    async def _cache_info(self, inst: Instance) -> None:
+        """Where it publishes its KV cache events (ascendserve's engine route /cache_info); a plain
+        vLLM, or an instance without events, has none (404) and is routed to by load."""
+        try:
+            status, raw = await self.upstream.get(inst.url + "/cache_info", self.settings.health_timeout_s)
+        except UpstreamError:
+            return
+        if status != 200:
+            return
+        try:
+            info = msgspec.json.decode(raw, type=CacheInfo)
+        except msgspec.DecodeError as exc:
+            inst.last_error = f"GET {inst.url}/cache_info: {exc}"
+            return
+        if info.check() is None:
+            inst.cache = info
+
     async def _get_ok(self, inst: Instance, url: str) -> bool:
         try:
             status, raw = await self.upstream.get(url, self.settings.health_timeout_s)
@@ -141,5 +164,7 @@ class HealthMonitor:
         return status == 200
 
     def _set(self, inst: Instance, state: str, why: str) -> None:
+        before = inst.state
         self.pools[inst.role].set_state(inst, state)
+        self.on_state(inst, inst.state, before)
         log.info(why, url=inst.url, role=inst.role, state=state, models=list(inst.models))

@@ -132,6 +132,8 @@ class Ledger:
     mode: str = "tokens"  # how a cut is continued (mode_of)
     skip_ids: int = 0  # replay: tokens of the new leg the client already has
     skip_text: int = 0  # replay: characters of the new leg's text the client already has
+    strip_details: bool = False  # the engine reports prompt_tokens_details because we asked (KV routing)
+    engine_usage: dict | None = None  # the first leg's usage as the engine sent it (its cached_tokens)
 
     def __post_init__(self):
         self.stream = self.body.get("stream") is True
@@ -244,6 +246,10 @@ class Ledger:
 
     def _whole(self, usage: dict) -> dict:
         """Usage of the whole request: the original prompt once, every generated token."""
+        if self.engine_usage is None:
+            self.engine_usage = usage
+        if self.strip_details and usage.get("prompt_tokens_details") is not None:
+            usage = dict(usage, prompt_tokens_details=None)  # vLLM's null: the client did not turn it on
         if not self.on_continuation or self.mode == "replay":
             return usage
         prompt = len(self.prompt_ids or ())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ascendserve.router.pools import Pools
 
@@ -28,6 +28,34 @@ class _PoolCollector:
             tokens.add_metric([inst.role, inst.url], inst.active_tokens)
             healthy.add_metric([inst.role, inst.url, inst.state], 1.0 if inst.state == "active" else 0.0)
         yield from (in_flight, tokens, healthy)
+
+
+class _KVIndexCollector:
+    """Each followed instance's KV index (router/kv_index.py): size, memory, state, events."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def collect(self):
+        blocks = GaugeMetricFamily("ascendserve_proxy_kv_index_blocks", "blocks an instance's prefix cache holds, "
+                                   "as its KV events say", labels=["instance"])
+        nbytes = GaugeMetricFamily("ascendserve_proxy_kv_index_bytes", "memory of the KV indexes (estimate)")
+        known = GaugeMetricFamily("ascendserve_proxy_kv_index_known", "1 when the instance's index is known "
+                                  "(routing by its cache), 0 while it is rebuilt (routing by load)", labels=["instance"])
+        events = CounterMetricFamily("ascendserve_proxy_kv_event_batches", "KV event batches applied",
+                                     labels=["instance"])
+        trouble = CounterMetricFamily("ascendserve_proxy_kv_event_problems", "sequence gaps, gaps the replay could "
+                                      "not fill, publisher restarts and disconnections", labels=["instance", "kind"])
+        total = 0
+        for url, idx in list(self.events.indexes.items()):
+            blocks.add_metric([url], len(idx.blocks))
+            known.add_metric([url], 1.0 if idx.known else 0.0)
+            events.add_metric([url], idx.events)
+            for kind in ("gaps", "lost", "restarts", "disconnects"):
+                trouble.add_metric([url, kind], getattr(idx, kind))
+            total += idx.nbytes()
+        nbytes.add_metric([], total)
+        yield from (blocks, nbytes, known, events, trouble)
 
 
 class ProxyMetrics:
@@ -55,7 +83,31 @@ class ProxyMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("ascendserve_proxy_e2e_seconds", "end-to-end request latency",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_routing = Counter("ascendserve_proxy_kv_routing", "pd/prefill choices by the engines' cached "
+                                  "blocks (by=kv) or by load, and why (single, unknown, unsupported, no_token_ids, "
+                                  "unhashable)", ["role", "by"], registry=r)
+        self.kv_tokenize = Histogram("ascendserve_proxy_kv_tokenize_seconds", "getting a prompt's token ids for "
+                                     "routing, by source (ids, local, engine)", ["source"], buckets=LATENCY_BUCKETS,
+                                     registry=r)
+        self.kv_tokenizer_mismatch = Counter("ascendserve_proxy_kv_tokenizer_mismatches", "models whose local "
+                                             "token ids differed from the engine's", registry=r)
+        self.prefix_predicted = Counter("ascendserve_proxy_prefix_predicted_tokens", "prompt tokens the chosen "
+                                        "instance was predicted to hold in its prefix cache", ["role"], registry=r)
+        self.prefix_cached = Counter("ascendserve_proxy_prefix_cached_tokens", "prompt tokens the engine served "
+                                     "from its prefix cache (vLLM's usage cached_tokens)", ["role"], registry=r)
+        self.prefix_prompt = Counter("ascendserve_proxy_prefix_prompt_tokens", "prompt tokens of the requests "
+                                     "whose cached_tokens the engine reported", ["role"], registry=r)
         r.register(_PoolCollector(pools))
+
+    def watch_kv(self, events) -> None:
+        self.registry.register(_KVIndexCollector(events))
+
+    def observe_cached(self, role: str, usage) -> None:
+        """vLLM's usage with prompt_tokens_details (the roles turn it on with KV events)."""
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.prefix_cached.labels(role).inc(details["cached_tokens"])
+            self.prefix_prompt.labels(role).inc(int(usage.get("prompt_tokens") or 0))
 
     def observe_done(self, started: float) -> None:
         self.e2e.observe(time.monotonic() - started)

@@ -48,6 +48,7 @@ from ascendserve.router.ec import ECLookup
 from ascendserve.router.kv_flow import Pair, Pairing
 from ascendserve.router.media import encoder_tokens, image_size, part_url
 from ascendserve.router.metrics import ProxyMetrics
+from ascendserve.router.kv_route import KVRouter, Plan
 from ascendserve.router.migrate import Generation, Leg
 from ascendserve.router.pools import Instance, Lease, Pool, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
@@ -55,6 +56,7 @@ from ascendserve.web.upstream import Upstream, UpstreamError
 log = structlog.get_logger("ascendserve.router")
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+Choose = Callable[[Pool, frozenset[str]], Instance | None]
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Pipeline:
     def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig, metrics: ProxyMetrics,
                  on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = "",
                  ec_lookup: ECLookup | None = None, on_stall: Callable[[Instance], None] | None = None,
-                 check_now: Callable[[], None] | None = None):
+                 check_now: Callable[[], None] | None = None, kv_router: KVRouter | None = None):
         self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
         self.ec_lookup = ec_lookup
         self._roots_warned = False
@@ -113,6 +115,7 @@ class Pipeline:
         self.cluster_token = cluster_token
         self._frees: set[asyncio.Future] = set()
         self.pairing = Pairing(settings.mode)
+        self.kv_router = kv_router if settings.routing == "kv" else None
 
     # ---- entry -------------------------------------------------------------
     async def handle(self, kind: str, body: dict, request_id: str) -> Reply:
@@ -128,16 +131,21 @@ class Pipeline:
             if ec_params:
                 body = dict(body, ec_transfer_params=ec_params)
         disaggregated = self.pools.has_active("prefill") and self.pools.has_active("decode")
+        plan = None
+        if self.kv_router is not None and (disaggregated or self.pools.has_active("pd")):
+            plan = await self.kv_router.plan(kind, body, "prefill" if disaggregated else "pd", headers)
+            if plan is not None:
+                tokens = plan.prompt_tokens
         if disaggregated:
             pair = self._pair()
             if pair.flow == "push" and not self.metaserver_url:
                 raise APIError(503, f"prefill and decode run a push connector ({pair.connector or self.settings.mode}): "
                                "the proxy needs --metaserver-url", type="service_unavailable", code="no_metaserver")
             if pair.flow == "push":
-                return await self._push(kind, body, headers, tokens, request_id, pair)
-            return await self._prefill_then_decode(kind, body, headers, tokens, pair)
+                return await self._push(kind, body, headers, tokens, request_id, pair, plan)
+            return await self._prefill_then_decode(kind, body, headers, tokens, pair, plan)
         if self.pools.has_active("pd"):
-            return await self._decode(kind, "pd", body, headers, tokens)
+            return await self._decode(kind, "pd", body, headers, tokens, plan=plan)
         raise APIError(503, "no healthy instance can serve this request (need pd, or prefill and decode)",
                        type="service_unavailable", code="no_instance")
 
@@ -148,14 +156,24 @@ class Pipeline:
                                  self.pools["prefill"].select)
 
     # ---- retries -----------------------------------------------------------
+    def _chooser(self, body: dict, plan: Plan | None) -> Choose | None:
+        """How this request's pd / prefill (prefix routing: also decode) instance is chosen:
+        by the KV plan, by text affinity, or (None) by load."""
+        if plan is not None and self.kv_router is not None:
+            return lambda pool, tried: self.kv_router.pick(plan, pool, tried)
+        if self.settings.routing == "prefix":
+            key = prefix_key(body, self.settings.prefix_chars)
+            return lambda pool, tried: pool.select_for_prefix(key, self.settings.prefix_slack_tokens, tried)
+        return None
+
     async def _with_retries(self, role: str, attempt: Callable[[Pool, Instance], Awaitable],
-                            prefix_key: bytes | None = None, exclude: frozenset[str] = frozenset()):
+                            choose: Choose | None = None, exclude: frozenset[str] = frozenset()):
         pool = self.pools[role]
         tried: set[str] = set(exclude)
         last: UpstreamError | None = None
         for n in range(self.settings.max_retries + 1):
-            if prefix_key is not None:
-                inst = pool.select_for_prefix(prefix_key, self.settings.prefix_slack_tokens, frozenset(tried))
+            if choose is not None:
+                inst = choose(pool, frozenset(tried))
             else:
                 inst = pool.select(frozenset(tried))
             inst = inst or pool.select(exclude)
@@ -276,13 +294,18 @@ class Pipeline:
         return reply
 
     # ---- prefill (pull) -----------------------------------------------------
-    async def _prefill_then_decode(self, kind: str, body: dict, headers: dict, tokens: int, pair: Pair) -> Reply:
+    async def _prefill_then_decode(self, kind: str, body: dict, headers: dict, tokens: int, pair: Pair,
+                                   plan: Plan | None = None) -> Reply:
         """P first (pull, named, store flows: router/kv_flow.py), then D with what P's
         answer and the flow give it."""
         p_body = kv_flow.prefill_body(pair, body, headers["x-request-id"])
+        choose = self._chooser(body, plan) if plan is not None else None
         p_reply, p_inst = await self._with_retries(
             "prefill", lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], p_body, headers, tokens),
-            exclude=pair.p_out)
+            choose, exclude=pair.p_out)
+        if plan is not None and self.kv_router is not None:
+            self.kv_router.routed(plan)
+        self.metrics.observe_cached("prefill", p_reply.get("usage") if isinstance(p_reply, dict) else None)
         hold = self.pools["prefill"].lease(p_inst, 0, kv=tokens)  # P keeps the KV until D has it
         d_body = dict(body)
         d_body.pop("ec_transfer_params", None)  # D has no EC connector
@@ -323,10 +346,14 @@ class Pipeline:
         future.add_done_callback(self._frees.discard)
 
     # ---- push ----------------------------------------------------------------
-    async def _push(self, kind: str, body: dict, headers: dict, tokens: int, request_id: str, pair: Pair) -> Reply:
+    async def _push(self, kind: str, body: dict, headers: dict, tokens: int, request_id: str, pair: Pair,
+                    plan: Plan | None = None) -> Reply:
         """Pick P now, tell the metaserver, send D a callback URL with a one-request ticket."""
         pool = self.pools["prefill"]
-        inst = pool.select(pair.p_out)
+        inst = self.kv_router.pick(plan, pool, pair.p_out) if plan is not None and self.kv_router else None
+        inst = inst or pool.select(pair.p_out)
+        if plan is not None and self.kv_router is not None and plan.chosen is inst:
+            self.kv_router.routed(plan)
         if inst is None:
             raise APIError(503, "no active prefill instance", type="service_unavailable", code="no_instance")
         hold = pool.lease(inst, tokens, kv=tokens)
@@ -346,17 +373,23 @@ class Pipeline:
 
     # ---- decode ------------------------------------------------------------
     async def _decode(self, kind: str, role: str, body: dict, headers: dict, tokens: int,
-                      on_first_byte: Callable[[], None] | None = None, exclude: frozenset[str] = frozenset()) -> Reply:
+                      on_first_byte: Callable[[], None] | None = None, exclude: frozenset[str] = frozenset(),
+                      plan: Plan | None = None) -> Reply:
         cost = tokens + max_new_tokens(body)
         started = time.monotonic()
-        key = prefix_key(body, self.settings.prefix_chars) if self.settings.prefix_aware else None
+        key = self._chooser(body, plan) if role == "pd" or self.settings.routing == "prefix" else None
         mode = ledger.mode_of(kind, body) if self.settings.migration_limit else None
         if mode is not None:
-            return await self._generate(kind, role, body, headers, cost, started, key, on_first_byte, exclude, mode)
+            return await self._generate(kind, role, body, headers, cost, started, key, on_first_byte, exclude, mode,
+                                        plan)
         if body.get("stream") is not True:
             result, inst = await self._with_retries(
                 role, lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], body, headers, cost), key,
                 exclude)
+            self._routed(role, plan, None, None)
+            self._routed(role, plan, result.get("usage") if isinstance(result, dict) else None, None)
+            if inst.cache is not None and inst.cache.details_added and isinstance(result.get("usage"), dict):
+                result["usage"]["prompt_tokens_details"] = None  # vLLM's null: the client did not turn it on
             self.metrics.observe_done(started)
             return Reply(body=result, backend=inst.url)
 
@@ -380,6 +413,7 @@ class Pipeline:
             if on_first_byte:
                 on_first_byte()
             raise
+        self._routed(role, plan, None, None)
         if on_first_byte:
             on_first_byte()
         self.metrics.ttft.observe(time.monotonic() - started)
@@ -387,9 +421,20 @@ class Pipeline:
                      backend=lease.instance.url)
 
     # ---- a generation that survives its instance (router/ledger.py, router/migrate.py) ----
+    def _routed(self, role: str, plan: Plan | None, usage: dict | None, prompt_ids: list[int] | None) -> None:
+        """A pd/decode hop was sent (and maybe answered): what the plan predicted, what the
+        engine says it had cached, and a check of locally computed token ids."""
+        if role == "pd" and plan is not None and self.kv_router is not None:
+            if usage is None and prompt_ids is None:
+                self.kv_router.routed(plan)
+            else:
+                self.kv_router.check_ids(plan, prompt_ids)
+        if usage is not None and role == "pd":
+            self.metrics.observe_cached(role, usage)
+
     async def _generate(self, kind: str, role: str, body: dict, headers: dict, cost: int, started: float,
-                        key: bytes | None, on_first_byte: Callable[[], None] | None, exclude: frozenset[str],
-                        mode: str) -> Reply:
+                        key: Choose | None, on_first_byte: Callable[[], None] | None, exclude: frozenset[str],
+                        mode: str, plan: Plan | None = None) -> Reply:
         led = ledger.Ledger(kind, body, mode=mode)
         request_id = headers["x-request-id"]
 
@@ -411,12 +456,15 @@ class Pipeline:
                 on_first_byte()
         if led.stream:
             self.metrics.ttft.observe(time.monotonic() - started)
+        self._routed(role, plan, None, None)
+        led.strip_details = bool(leg.instance.cache is not None and leg.instance.cache.details_added)
         gen = Generation(led, role, leg, evs, done, open_leg, self._pick, self._detokenize, self.settings,
                          self.metrics, self._stalled, lambda inst: self.check_now(), request_id)
         if led.stream:
-            return Reply(stream=self._relay_generation(gen, started, kind, request_id), backend=leg.instance.url)
+            return Reply(stream=self._relay_generation(gen, started, kind, request_id, plan), backend=leg.instance.url)
         async for _ in gen.run():
             pass
+        self._routed(role, plan, led.engine_usage, led.prompt_ids)
         if gen.error:
             raise APIError(502, gen.error, type="service_unavailable", code="backend_failed")
         self.metrics.observe_done(started)
@@ -495,7 +543,8 @@ class Pipeline:
         log.warning("instance stalled; checking its health now", url=inst.url, role=inst.role)
         self.on_stall(inst)
 
-    async def _relay_generation(self, gen: Generation, started: float, kind: str, request_id: str):
+    async def _relay_generation(self, gen: Generation, started: float, kind: str, request_id: str,
+                                plan: Plan | None = None):
         outcome = "backend_failed"
         try:
             async for out in gen.run():
@@ -503,6 +552,7 @@ class Pipeline:
             if not gen.error:
                 outcome = "ok"
                 self.metrics.observe_done(started)
+                self._routed(gen.role, plan, gen.ledger.engine_usage, gen.ledger.prompt_ids)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
             self.metrics.cancelled.inc()

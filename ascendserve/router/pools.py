@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from ascendserve.protocol.kv_connectors import KVInfo
+from ascendserve.protocol.kv_events import CacheInfo
 
 PROBING, ACTIVE, EJECTED, DRAINING = "probing", "active", "ejected", "draining"
 ROLES = ("encoder", "prefill", "decode", "pd")
@@ -38,6 +39,7 @@ class Instance:
     cards: tuple[dict, ...] = ()  # its /v1/models entries as it sent them (the proxy relays them)
     last_error: str = ""  # why its last probe or health check failed ("" once it answered)
     kv: KVInfo | None = None  # P and D: its KV connector (its /kv_info, or the registry); None: it did not say
+    cache: CacheInfo | None = None  # pd and P: its KV events and block hashing (its /cache_info, or the registry)
     active_requests: int = 0
     active_tokens: int = 0
     active_kv: int = 0

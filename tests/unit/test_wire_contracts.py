@@ -42,7 +42,7 @@ def test_engine_request_ids():
 def test_registry_messages():
     reg = Registration(instance_id="i", role="decode", url="http://h:1", model="m")
     assert set(msgspec.to_builtins(reg)) == {"instance_id", "role", "url", "model", "version", "load", "seed",
-                                             "seed_model", "kv"}
+                                             "seed_model", "kv", "cache"}
     assert set(Heartbeat.__struct_fields__) == {"instance_id", "load"}
     assert set(RegistryView.__struct_fields__) == {"revision", "heartbeat_timeout_s", "instances"}
     assert Registration(instance_id="i", role="router", url="http://h:1", model="m").check()

@@ -35,6 +35,10 @@ engine.host_defaults sets on CPU hosts with fewer cores than engine processes):
                     a second after each read, which starved the other
                     engines' steps
 
+Any platform, when asked for (ASCENDSERVE_KV_EVENTS_BIND, which engine.kv_events sets):
+  kv_events_bind    vLLM's KV event publisher binds the configured address
+                    instead of connecting to it (it binds wildcards only)
+
 Any platform, when asked for (ASCENDSERVE_NIXL_PROGRESS_DELAY_US, which
 engine.kv_args sets on CPU hosts for `--kv-connector nixl`):
   nixl_progress     NIXL's UCX progress thread sleeps until a UCX event
@@ -56,14 +60,15 @@ def apply_all() -> dict[str, list[str]]:
     log = get_logger("ascendserve.patches")
     from vllm.platforms import current_platform
 
-    from ascendserve.engine.patches import compile_cache, idle_poll, nixl_progress
+    from ascendserve.engine.patches import compile_cache, idle_poll, kv_events_bind, nixl_progress
 
     # (name, install, what stays broken when its check does not fit this vLLM)
     fixes = [("idle_poll", idle_poll.apply, "engines keep vLLM's busy polling"),
              ("compile_cache", compile_cache.apply, "engines that compile their model recompile it at every start"),
              ("compile_lock", compile_cache.apply_lock,
               "engines of one host that start together each compile the same model"),
-             ("nixl_progress", nixl_progress.apply, "NIXL's progress thread spins a core per engine")]
+             ("nixl_progress", nixl_progress.apply, "NIXL's progress thread spins a core per engine"),
+             ("kv_events_bind", kv_events_bind.apply, "KV events are not received (routing by load only)")]
     if current_platform.is_cpu():
         from ascendserve.engine.patches import (core_fork, cpu_communicator, cpu_mla, cpu_moe, cpu_rope, gloo_device,
                                                 worker_fork)
