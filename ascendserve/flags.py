@@ -128,3 +128,14 @@ FLAGS: tuple[Flag, ...] = (
 
 def flags_for(role: str | None) -> list[Flag]:
     return [f for f in FLAGS if role is None or role in f.roles]
+
+
+def argv_value(argv: list[str], flag: str) -> str:
+    """The last value given to `flag` (`--flag V` or `--flag=V`) in an argument list, or ""."""
+    value = ""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value

@@ -26,23 +26,13 @@ import os
 import msgspec
 
 from ascendserve.config import Config, ConfigError
+from ascendserve.flags import argv_value
 from ascendserve.protocol.kv_events import CacheInfo
 
 BIND_ENV = "ASCENDSERVE_KV_EVENTS_BIND"
 INFO_ENV = "ASCENDSERVE_CACHE_INFO"
 CRYPTO_ALGOS = ("sha256", "sha256_cbor")
 ALGOS = (*CRYPTO_ALGOS, "xxhash", "xxhash_cbor")
-
-
-def _value(args: list[str], flag: str) -> str | None:
-    """The last value of `--flag X` / `--flag=X` among vLLM arguments, None when absent."""
-    found = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            found = args[i + 1]
-        elif arg.startswith(flag + "="):
-            found = arg.split("=", 1)[1]
-    return found
 
 
 def _has(args: list[str], flag: str) -> bool:
@@ -85,7 +75,7 @@ def cache_info(config: Config, user_args: list[str], environ=os.environ) -> Cach
     if not enabled(config, user_args):
         return None
     ev = config.kv_events
-    algo = _value(user_args, "--prefix-caching-hash-algo") or "sha256"
+    algo = argv_value(user_args, "--prefix-caching-hash-algo") or "sha256"
     seed = environ.get("PYTHONHASHSEED")
     if seed is None and algo in CRYPTO_ALGOS:
         seed = "vllm-none-hash"  # vLLM's fixed seed of cryptographic hashes (kv_cache_utils.init_none_hash)
@@ -93,8 +83,8 @@ def cache_info(config: Config, user_args: list[str], environ=os.environ) -> Cach
         seed = None  # xxhash: a random seed per process, or a secret one: never announced
     ranks = _ranks(config)  # vLLM adds the rank to both ports
     host = advertised(ev.host, config)
-    block = _value(user_args, "--block-size")
-    unit = _value(user_args, "--prefix-match-unit")
+    block = argv_value(user_args, "--block-size")
+    unit = argv_value(user_args, "--prefix-match-unit")
     return CacheInfo(endpoints=[_tcp(host, ev.port + r) for r in ranks],
                      replay=[_tcp(host, ev.replay_port + r) for r in ranks],
                      hash_algo=algo, hash_seed=seed, block_size=int(block) if block and block.isdigit() else 0,

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from ascendserve.config import environ
-from ascendserve.flags import ENGINE_ROLES
+from ascendserve.flags import ENGINE_ROLES, argv_value
 from ascendserve.launch.supervisor import (DEFAULT_START_LIMIT, Child, Supervisor, child_log_format, device_nodes,
                                            probe_host, self_command)
 from ascendserve.logging import configure, get_logger
@@ -113,7 +113,7 @@ def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, s
                   device: str, moe: bool) -> list[Child]:
     local = args.dp_size_local
     cores = sorted(os.sched_getaffinity(0))
-    host = probe_host(_flag_value(passthrough, "--host") or env.get("ASCENDSERVE_HOST", ""))
+    host = probe_host(argv_value(passthrough, "--host") or env.get("ASCENDSERVE_HOST", ""))
     children = []
     for i in range(local):
         rank = args.dp_rank_start + i
@@ -136,17 +136,6 @@ def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, s
         children.append(Child(f"{args.role}-dp{rank}", [*argv, *passthrough], child_env,
                               ready_url=f"http://{host}:{port}/health"))
     return children
-
-
-def _flag_value(argv: list[str], flag: str) -> str:
-    """The last value given to `flag` (`--flag V` or `--flag=V`) in argv, or ""."""
-    value = ""
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _check(args) -> str | None:

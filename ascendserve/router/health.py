@@ -122,36 +122,29 @@ class HealthMonitor:
     async def _kv_info(self, inst: Instance) -> None:
         """Its KV connector, from ascendserve's engine route /kv_info; a plain vLLM has none
         (404), and the registry's word, or nothing, stands."""
-        try:
-            status, raw = await self.upstream.get(inst.url + "/kv_info", self.settings.health_timeout_s)
-        except UpstreamError:
-            return
-        if status != 200:
-            return
-        try:
-            info = msgspec.json.decode(raw, type=KVInfo)
-        except msgspec.DecodeError as exc:
-            inst.last_error = f"GET {inst.url}/kv_info: {exc}"
-            return
-        if info.check() is None:
+        if (info := await self._info(inst, "/kv_info", KVInfo)) is not None:
             inst.kv = info
 
     async def _cache_info(self, inst: Instance) -> None:
         """Where it publishes its KV cache events (ascendserve's engine route /cache_info); a plain
         vLLM, or an instance without events, has none (404) and is routed to by load."""
-        try:
-            status, raw = await self.upstream.get(inst.url + "/cache_info", self.settings.health_timeout_s)
-        except UpstreamError:
-            return
-        if status != 200:
-            return
-        try:
-            info = msgspec.json.decode(raw, type=CacheInfo)
-        except msgspec.DecodeError as exc:
-            inst.last_error = f"GET {inst.url}/cache_info: {exc}"
-            return
-        if info.check() is None:
+        if (info := await self._info(inst, "/cache_info", CacheInfo)) is not None:
             inst.cache = info
+
+    async def _info(self, inst: Instance, path: str, kind: type):
+        """One of ascendserve's engine info routes, decoded and checked; None when absent or bad."""
+        try:
+            status, raw = await self.upstream.get(inst.url + path, self.settings.health_timeout_s)
+        except UpstreamError:
+            return None
+        if status != 200:
+            return None
+        try:
+            info = msgspec.json.decode(raw, type=kind)
+        except msgspec.DecodeError as exc:
+            inst.last_error = f"GET {inst.url}{path}: {exc}"
+            return None
+        return info if info.check() is None else None
 
     async def _get_ok(self, inst: Instance, url: str) -> bool:
         try:

@@ -247,18 +247,12 @@ class KVEvents:
             if seq <= pub.skip_until:
                 return  # applied by the replay already
             pub.skip_until = -1
-        if pub.last is None:  # nothing applied yet (the first replay found no answer)
-            if seq == 0:
-                idx.known, idx.why = True, ""
-            else:
-                await self._replay(idx, pub, 0)
-                if pub.last is not None and seq <= pub.last:
-                    return
-        elif seq <= pub.last:
+        if pub.last is not None and seq <= pub.last:
             idx.restarts += 1  # a new publisher counts from 0 again: the engine restarted
             log.info("KV event publisher restarted; index cleared", url=idx.url, seq=seq, last=pub.last)
             idx.clear(False, "publisher restarted")
             pub.last = None
+        if pub.last is None:  # nothing applied yet (the first replay found no answer), or restarted
             if seq == 0:
                 idx.known, idx.why = True, ""
             else:

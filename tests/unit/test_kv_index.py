@@ -108,6 +108,14 @@ async def until(check, what: str, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def followed(events: KVEvents, engine: Engine):
+    """The engine's index, once replayed at the start and subscribed (the SUB's connection)."""
+    idx = events.follow("http://127.0.0.1:1", engine.info)
+    await until(lambda: idx.known, "followed")
+    await asyncio.sleep(0.3)
+    return idx
+
+
 def keys(*ns: int) -> set[int]:
     return {event_key(h(n)) for n in ns}
 
@@ -171,9 +179,7 @@ async def test_a_gap_is_replayed_and_one_the_buffer_lost_clears_the_index():
     engine = Engine(buffer_steps=3)
     events = KVEvents(silence_s=0)
     try:
-        idx = events.follow("http://127.0.0.1:1", engine.info)
-        await until(lambda: idx.known, "followed")
-        await asyncio.sleep(0.3)
+        idx = await followed(events, engine)
         engine.publish(stored(h(1)))
         await until(lambda: idx.blocks == keys(1), "first")
         engine.drop = {1}  # the second batch never reaches the subscriber; the buffer has it
@@ -200,9 +206,7 @@ async def test_a_gap_is_replayed_and_one_the_buffer_lost_clears_the_index():
 async def test_a_restarted_publisher_clears_the_index(engine):
     events = KVEvents(silence_s=0)
     try:
-        idx = events.follow("http://127.0.0.1:1", engine.info)
-        await until(lambda: idx.known, "followed")
-        await asyncio.sleep(0.3)
+        idx = await followed(events, engine)
         engine.publish(stored(h(1)), stored(h(2)))
         engine.publish(stored(h(3)))
         await until(lambda: idx.blocks == keys(1, 2, 3), "before the restart")
@@ -223,9 +227,7 @@ async def test_a_restarted_publisher_clears_the_index(engine):
 async def test_reset_makes_the_index_unknown_until_replayed(engine):
     events = KVEvents(silence_s=0)
     try:
-        idx = events.follow("http://127.0.0.1:1", engine.info)
-        await until(lambda: idx.known, "followed")
-        await asyncio.sleep(0.3)
+        idx = await followed(events, engine)
         engine.publish(stored(h(1)))
         await until(lambda: idx.blocks == keys(1), "stored")
         events.reset("http://127.0.0.1:1", "ejected")
