@@ -3,10 +3,11 @@ KV-event-aware routing, and vllm-router's cache_aware policy as the peer.
 
     python -m bench.kv_routing [--quick] [--topologies pd,pd2p1d] [--policies load,prefix,kv,vllm-router]
         [--workloads chat,system,unrelated] [--users 12] [--turns 6] [--requests 64] [--concurrency 3]
-        [--max-tokens 32] [--seed 0] [--vllm-router BIN] [--proxy-arg=--kv-overlap-weight=2] [--log-dir DIR]
+        [--max-tokens 32] [--seed 0] [--rounds 2] [--vllm-router BIN] [--proxy-arg=--kv-overlap-weight=2]
+        [--log-dir DIR]
 
-The default size (both topologies, all four policies) takes ~N minutes on a 2-core host;
-`--quick` (4 users x 4 turns, 16 requests) is a 2-3 minute smoke run.
+The default size (both topologies, all four policies, 2 rounds) takes ~N minutes on a 2-core
+host; `--quick` (4 users x 4 turns, 16 requests, 1 round) is a ~2 minute smoke run.
 
 Workloads (seeded, chat completions streamed through the router, ignore_eos):
 - chat: `--users` conversations of `--turns` turns; each turn sends every previous turn (the
@@ -21,7 +22,9 @@ Topologies: `pd`, two pd instances, each pinned to a core of its own (taskset); 
 prefill instances (one core each) and one decode (unpinned on a 2-core host), pull connector.
 The engines start once per topology; each policy gets a router of its own (started, run,
 stopped), and before each workload every engine's prefix cache is reset (POST
-/reset_prefix_cache), so every policy sees the same prompts on empty caches.
+/reset_prefix_cache), so every policy sees the same prompts on empty caches. `--rounds` runs
+every policy again, in reverse order every other round (load, prefix, kv, vllm-router, then
+vllm-router, kv, prefix, load), and pools its rounds.
 
 Policies: `load` (`--routing load`; on a proxy without --routing, its default), `prefix` (`--routing prefix`, or
 `--prefix-aware` on a proxy that has no --routing yet), `kv` (`--routing kv`: KV-event-aware;
@@ -380,93 +383,131 @@ def quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def summarize(run: dict, before: dict, after: dict, p_before, p_after) -> dict:
-    queries = {u: after[u]["queries"] - before[u]["queries"] for u in after}
-    hits = {u: after[u]["hits"] - before[u]["hits"] for u in after}
+def summarize(raw: dict) -> dict:
+    """The reported numbers of one policy on one workload, from its runs' raw deltas (merged
+    over the rounds)."""
+    queries, hits, ttfts = raw["queries"], raw["hits"], raw["ttfts"]
     total_q, total_h = sum(queries.values()), sum(hits.values())
-    ttfts = run["ttfts"]
     out = {
-        "requests": len(ttfts), "errors": run["errors"], "first_error": run["first_error"],
+        "requests": len(ttfts), "errors": raw["errors"], "first_error": raw["first_error"], "rounds": raw["rounds"],
         "hit_tokens": total_h, "query_tokens": total_q, "hit_rate": total_h / total_q if total_q else 0.0,
         "prompt_tokens_mean": total_q / len(ttfts) if ttfts else 0.0,
         "prompt_token_split": [queries[u] / total_q if total_q else 0.0 for u in queries],
         "ttft_p50_ms": quantile(ttfts, 0.5) * 1000, "ttft_p99_ms": quantile(ttfts, 0.99) * 1000,
         "ttft_mean_ms": statistics.mean(ttfts) * 1000 if ttfts else float("nan"),
-        "wall_s": run["wall_s"], "req_per_s": len(ttfts) / run["wall_s"],
-        "gen_tok_per_s": run["tokens"] / run["wall_s"], "generated_tokens": run["tokens"],
+        "wall_s": raw["wall_s"], "req_per_s": len(ttfts) / raw["wall_s"],
+        "gen_tok_per_s": raw["tokens"] / raw["wall_s"], "generated_tokens": raw["tokens"],
         "ttfts_ms": [t * 1000 for t in ttfts],
     }
-    if p_before is not None and p_after is not None:
-        out["proxy_predicted_tokens"] = p_after["predicted"] - p_before["predicted"]
-        out["proxy_cached_tokens"] = p_after["cached"] - p_before["cached"]
+    if raw.get("proxy") is not None:
+        out["proxy_predicted_tokens"] = raw["proxy"]["predicted"]
+        out["proxy_cached_tokens"] = raw["proxy"]["cached"]
+    if raw["decode_queries"]:  # a decode's own prefix cache (the KV it pulled counts as external)
+        out["decode_hit_tokens"], out["decode_query_tokens"] = raw["decode_hits"], raw["decode_queries"]
     return out
 
 
+def merge(a: dict | None, b: dict) -> dict:
+    """Two rounds' raw deltas of the same policy and workload as one."""
+    if a is None:
+        return b
+    add = lambda x, y: {k: x[k] + y[k] for k in x}  # noqa: E731
+    return {"ttfts": a["ttfts"] + b["ttfts"], "tokens": a["tokens"] + b["tokens"], "errors": a["errors"] + b["errors"],
+            "first_error": a["first_error"] or b["first_error"], "wall_s": a["wall_s"] + b["wall_s"],
+            "rounds": a["rounds"] + b["rounds"], "queries": add(a["queries"], b["queries"]),
+            "hits": add(a["hits"], b["hits"]),
+            "proxy": add(a["proxy"], b["proxy"]) if a["proxy"] is not None and b["proxy"] is not None else None,
+            "decode_hits": a["decode_hits"] + b["decode_hits"],
+            "decode_queries": a["decode_queries"] + b["decode_queries"]}
+
+
 def run_workload(name: str, data, router: Proc, engines: dict, args) -> dict:
-    """One workload through one router, on freshly reset prefix caches."""
+    """One workload through one router, on freshly reset prefix caches: its raw deltas."""
     prompt_urls = [p.url for p in engines["prompt"]]
     decode_urls = [d.url for d in engines["decode"]]
     reset_prefix_caches(prompt_urls + decode_urls)
     before, d_before = engine_counters(prompt_urls), engine_counters(decode_urls)
     p_before = proxy_counters(router.url)
     run = asyncio.run(drive(router.url, args.model, name, data, args.concurrency, args.max_tokens))
-    after, d_after = engine_counters(prompt_urls), engine_counters(decode_urls)
-    r = summarize(run, before, after, p_before, proxy_counters(router.url))
-    if decode_urls:  # a decode's own prefix cache (the KV it pulled counts as external)
-        r["decode_hit_tokens"] = sum(d_after[u]["hits"] - d_before[u]["hits"] for u in decode_urls)
-        r["decode_query_tokens"] = sum(d_after[u]["queries"] - d_before[u]["queries"] for u in decode_urls)
-    return r
+    after, d_after, p_after = engine_counters(prompt_urls), engine_counters(decode_urls), proxy_counters(router.url)
+    delta = lambda a, b, kind: {u: a[u][kind] - b[u][kind] for u in a}  # noqa: E731
+    return {**run, "rounds": 1, "queries": delta(after, before, "queries"), "hits": delta(after, before, "hits"),
+            "proxy": ({k: p_after[k] - p_before[k] for k in p_after}
+                      if p_before is not None and p_after is not None else None),
+            "decode_hits": sum(delta(d_after, d_before, "hits").values()),
+            "decode_queries": sum(delta(d_after, d_before, "queries").values())}
+
+
+def run_policy(policy: str, topology: str, engines: dict, workloads: dict, args, logs: Path, flags: dict,
+               peer: dict, notes: list[str]) -> dict | None:
+    """One router of `policy` over every workload: {workload: raw deltas}; None when it cannot
+    run (the note says why)."""
+    try:
+        router = make_router(policy, topology, engines, logs, flags, peer, args.proxy_arg)
+    except RuntimeError as exc:
+        notes.append(f"[{topology}] {policy}: left out: {exc}")
+        print(notes[-1], flush=True)
+        return None
+    out = {}
+    try:
+        try:
+            start_router(router, args.model)
+        except Exception as exc:
+            tail = router.log_text()[-1500:] if router.log_path.exists() else ""
+            notes.append(f"[{topology}] {policy}: left out: did not start: {str(exc)[:500]}")
+            print(notes[-1], "\n", tail, flush=True)
+            return None
+        for name, data in workloads.items():
+            try:
+                raw = run_workload(name, data, router, engines, args)
+            except Exception as exc:
+                notes.append(f"[{topology}] {policy} {name}: failed: {type(exc).__name__}: {str(exc)[:500]}")
+                print(notes[-1], flush=True)
+                continue
+            out[name] = raw
+            r = summarize(raw)
+            print(f"[{topology}] {policy:<11} {name:<9} {r['requests']} ok, {r['errors']} failed, "
+                  f"~{r['prompt_tokens_mean']:.0f} prompt tokens each, hit rate {r['hit_rate']:.3f}, "
+                  f"TTFT mean {r['ttft_mean_ms']:.1f} ms, {r['wall_s']:.1f} s"
+                  + (f" (first error: {r['first_error']})" if r["errors"] else ""), flush=True)
+            if r["errors"]:
+                notes.append(f"[{topology}] {policy} {name}: {r['errors']} requests failed, the first: "
+                             f"{r['first_error']}")
+    finally:
+        router.stop()
+    return out
 
 
 def run_topology(topology: str, args, model: Path, logs: Path, workloads: dict, flags: dict, peer: dict,
                  notes: list[str]) -> dict:
-    """Every policy over the topology's engines (started once); a policy that cannot run is
-    left out with a note, the others go on."""
-    results: dict[str, dict[str, dict]] = {w: {} for w in workloads}
+    """Every policy over the topology's engines (started once), `--rounds` times, in reverse
+    order every other round; a policy that cannot run is left out with a note, the others go on."""
+    raws: dict[str, dict[str, dict]] = {w: {} for w in workloads}
     try:
         engines = start_engines(topology, model, logs, args.no_pin)
     except Exception as exc:
         notes.append(f"[{topology}] left out: its engines did not start: {str(exc)[:1500]}")
         print(notes[-1], flush=True)
-        return results
+        return {}
+    skipped: set[str] = set()
     try:
-        warm_up(engines["prompt"] + engines["decode"], str(model))
-        for policy in args.policies:
-            try:
-                router = make_router(policy, topology, engines, logs, flags, peer, args.proxy_arg)
-            except RuntimeError as exc:
-                notes.append(f"[{topology}] {policy}: left out: {exc}")
-                print(notes[-1], flush=True)
-                continue
-            try:
-                try:
-                    start_router(router, str(model))
-                except Exception as exc:
-                    tail = router.log_text()[-1500:] if router.log_path.exists() else ""
-                    notes.append(f"[{topology}] {policy}: left out: did not start: {str(exc)[:500]}")
-                    print(notes[-1], "\n", tail, flush=True)
+        warm_up(engines["prompt"] + engines["decode"], args.model)
+        for round_ in range(args.rounds):
+            order = args.policies if round_ % 2 == 0 else args.policies[::-1]
+            for policy in order:
+                if policy in skipped:
                     continue
-                for name, data in workloads.items():
-                    try:
-                        r = run_workload(name, data, router, engines, args)
-                    except Exception as exc:
-                        notes.append(f"[{topology}] {policy} {name}: failed: {type(exc).__name__}: {str(exc)[:500]}")
-                        print(notes[-1], flush=True)
-                        continue
-                    results[name][policy] = r
-                    print(f"[{topology}] {policy:<11} {name:<9} {r['requests']} ok, {r['errors']} failed, "
-                          f"~{r['prompt_tokens_mean']:.0f} prompt tokens each, hit rate {r['hit_rate']:.3f}, "
-                          f"TTFT mean {r['ttft_mean_ms']:.1f} ms, {r['wall_s']:.1f} s"
-                          + (f" (first error: {r['first_error']})" if r["errors"] else ""), flush=True)
-                    if r["errors"]:
-                        notes.append(f"[{topology}] {policy} {name}: {r['errors']} requests failed, the first: "
-                                     f"{r['first_error']}")
-            finally:
-                router.stop()
+                by_workload = run_policy(policy, topology, engines, workloads, args, logs, flags, peer, notes)
+                if by_workload is None:
+                    skipped.add(policy)
+                    continue
+                for name, raw in by_workload.items():
+                    raws[name][policy] = merge(raws[name].get(policy), raw)
     finally:
         for p in engines["prompt"] + engines["decode"]:
             p.stop()
-    return results
+    return {name: {policy: summarize(raws[name][policy]) for policy in args.policies if policy in raws[name]}
+            for name in workloads}
 
 
 def report(topology: str, results: dict, args) -> None:
@@ -484,9 +525,11 @@ def report(topology: str, results: dict, args) -> None:
                          "/".join(f"{s * 100:.0f}" for s in r["prompt_token_split"]),
                          r["ttft_p50_ms"], r["ttft_p99_ms"], r["ttft_mean_ms"], r["req_per_s"], r["gen_tok_per_s"],
                          ratio("ttft_mean_ms"), ratio("ttft_p99_ms"), predicted])
-    table(f"routing policies, {label}: chat {args.users} users x {args.turns} turns, {args.requests} system-prompt "
-          f"requests ({args.system_prompts} prompts), {args.requests} unrelated; concurrency {args.concurrency}, "
-          f"{args.max_tokens} tokens out; caches reset before each run",
+    sizes = {"chat": f"chat {args.users} users x {args.turns} turns",
+             "system": f"{args.requests} requests under {args.system_prompts} system prompts",
+             "unrelated": f"{args.requests} unrelated"}
+    table(f"routing policies, {label}: {', '.join(sizes[w] for w in args.workloads)}; concurrency "
+          f"{args.concurrency}, {args.max_tokens} tokens out; caches reset before each run; {args.rounds} round(s)",
           ["workload", "policy", "ok", "err", "hit tokens", "hit rate", "prompt split %", "TTFT p50 ms",
            "TTFT p99 ms", "TTFT mean ms", "req/s", "gen tok/s", "x mean (load/it)", "x p99 (load/it)",
            "proxy predicted/cached"], rows)
@@ -504,6 +547,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="each policy's runs this many times, the order of the policies reversed every other round "
+                         "(default 2, --quick 1)")
     ap.add_argument("--quick", action="store_true", help="smoke size: 4 users x 4 turns, 16 requests")
     ap.add_argument("--no-pin", action="store_true", help="leave every engine on every core")
     ap.add_argument("--vllm-router", default=DEFAULT_VLLM_ROUTER, help="vllm-router binary (else from PATH)")
@@ -513,6 +559,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.users, args.turns, args.requests = 4, 4, 16
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
     args.topologies = [t for t in args.topologies.split(",") if t]
     args.policies = [p for p in args.policies.split(",") if p]
     args.workloads = [w for w in args.workloads.split(",") if w]

@@ -2,8 +2,10 @@
 
 For a text request the proxy takes the prompt's token ids as the engine will see them
 (a token-id prompt as sent; a text completion through the model's own tokenizer file when the
-proxy can read it, else the engine's /tokenize; a chat always through /tokenize, which applies
-the engine's chat template with the request's own template settings), hashes its full blocks as
+proxy can read the model directory; a plain chat through the model's chat template rendered
+here too (router/chat_template.py); anything else, or without the model's files, through the
+engine's /tokenize, which applies the engine's chat template with the request's own template
+settings; /tokenize costs a round trip to an engine), hashes its full blocks as
 the engine does (router/block_hash.py: the instance's hash algorithm, seed and block size) and
 asks each instance's index (router/kv_index.py) how many of them it holds from the first.
 Each candidate costs
@@ -16,8 +18,8 @@ By load instead: a single candidate, an instance whose index is unknown (router/
 multimodal or LoRA requests or a `cache_salt` (their blocks carry extra keys), prompts shorter
 than a block, or token ids the proxy could not get.
 
-A local tokenization is checked against the prompt ids the engine returns (the ledger asks for
-them): a model whose ids differ is tokenized by the engine from then on.
+A local tokenization (text or chat) is checked against the prompt ids the engine returns (the
+ledger asks for them): a model whose ids differ is tokenized by the engine from then on.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import structlog
 from ascendserve.config import ProxyConfig
 from ascendserve.protocol.openai import mm_parts
 from ascendserve.router.block_hash import BlockHasher
+from ascendserve.router.chat_template import LocalChat
 from ascendserve.router.kv_index import CacheIndex, KVEvents
 from ascendserve.router.pools import Instance, Pool, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
@@ -69,6 +72,7 @@ class KVRouter:
         self.rng = rng or random.Random()
         self._hashers: dict[tuple[str, str], BlockHasher] = {}
         self._tokenizers: dict[str, object | None] = {}
+        self._chats: dict[str, LocalChat | None] = {}
         self._engine_only: set[str] = set()  # models whose local ids differed from the engine's
         self._unhashable_warned: set[str] = set()
 
@@ -163,6 +167,12 @@ class KVRouter:
             if "add_special_tokens" in body:
                 tok["add_special_tokens"] = body["add_special_tokens"]
         else:
+            text = self._local_chat(body, candidates)
+            if text is not None:
+                local = self._local_ids(body.get("model", ""), text, body.get("add_special_tokens", False),
+                                        candidates)
+                if local is not None and (ids := await local) is not None:
+                    return ids, "local"
             tok = {"model": body.get("model"), "messages": body.get("messages")}
             tok |= {k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body}
         ids = await self._engine_ids(tok, candidates, headers)
@@ -189,6 +199,17 @@ class KVRouter:
         future = asyncio.get_running_loop().create_future()
         future.set_result(encode())
         return future
+
+    def _local_chat(self, body: dict, candidates: list[Instance]) -> str | None:
+        """A plain chat's prompt text rendered here (router/chat_template.py), or None."""
+        model = body.get("model", "")
+        if self.settings.kv_tokenizer == "engine" or model in self._engine_only:
+            return None
+        root = next((i.root for i in candidates if i.root), "")
+        if root not in self._chats:
+            self._chats[root] = LocalChat.load(root) if root and os.path.isdir(root) else None
+        chat = self._chats[root]
+        return chat.render(body) if chat is not None else None
 
     def _tokenizer(self, root: str):
         if root in self._tokenizers:

@@ -4,8 +4,8 @@ Two pd engines publish vLLM's KV events (on by default for pd): one with vLLM's 
 hashing (sha256), one with sha256_cbor, so both algorithms are checked against a real engine.
 The proxy routes with `--routing kv` (the default).
 
-  - the proxy's token ids (its local tokenizer for text, the engine's /tokenize for chat) equal
-    the ids vLLM reports for the same request, and its block hashes equal the ones the engine
+  - the proxy's token ids (its local tokenizer for text and its rendering of the chat template,
+    or the engine's /tokenize) equal the ids vLLM reports for the same request, and its block hashes equal the ones the engine
     publishes for that prompt: byte for byte where vLLM publishes whole hashes
     (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), as their 64-bit ints by its default;
   - a conversation's next turn goes to the instance that holds its prefix (vLLM served cached
@@ -27,6 +27,7 @@ import zmq
 
 from ascendserve.protocol.kv_events import BlockStored, CacheInfo, decode_batch
 from ascendserve.router.block_hash import BlockHasher
+from ascendserve.router.chat_template import LocalChat
 from tests.procs import ascendserve, control, start_all
 from tests.traffic import check_user_traffic
 
@@ -127,6 +128,8 @@ def test_token_ids_and_block_hashes_equal_the_engines(cluster):
             r = httpx.post(pd.url + "/v1/chat/completions", timeout=120, json={
                 "model": model, "messages": msgs, "max_tokens": 2, "temperature": 0, "return_token_ids": True})
             assert tok == r.json()["prompt_token_ids"]
+            text = LocalChat.load(model).render({"messages": msgs})  # what the proxy renders itself
+            assert Tokenizer.from_file(f"{model}/tokenizer.json").encode(text, add_special_tokens=False).ids == tok
             time.sleep(1.0)
         finally:
             listen.close()

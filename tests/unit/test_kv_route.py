@@ -219,3 +219,37 @@ def test_the_engine_serves_its_cache_info():
     sent.clear()
     asyncio.run(CacheInfoRoute(app, "")({"type": "http", "path": "/cache_info", "method": "GET"}, None, send))
     assert sent == ["vllm"]  # none set: vLLM's 404
+
+
+def test_plain_chats_are_rendered_here_as_transformers_renders_them(text_model):
+    """The tiny model's template, rendered by the proxy, tokenized without special tokens: the
+    ids transformers (what vLLM calls) gives for the same chat."""
+    from transformers import AutoTokenizer
+
+    from ascendserve.router.chat_template import LocalChat
+
+    chat = LocalChat.load(str(text_model))
+    hf = AutoTokenizer.from_pretrained(str(text_model))
+    msgs = [{"role": "system", "content": "You keep the lighthouse."}, {"role": "user", "content": "Tide?"},
+            {"role": "assistant", "content": "High at six."}, {"role": "user", "content": "And low? ü"}]
+    for gen in (True, False):
+        expected = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        assert chat.render({"messages": msgs, "add_generation_prompt": gen}) == expected
+    assert chat.render({"messages": msgs}) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    for other in ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
+                  {"messages": msgs, "tools": []}, {"messages": [{"role": "user", "content": "x", "name": "n"}]},
+                  {"messages": msgs, "chat_template": "{{ 1 }}"}, {"messages": []}):
+        assert chat.render(other) is None, other
+    assert LocalChat.load(str(text_model.parent / "no-such-model")) is None
+
+
+def test_a_chat_is_planned_with_local_ids(text_model):
+    pools, events, router, metrics = cluster()
+    for inst in pools["pd"].active():
+        inst.root = str(text_model)
+    msgs = [{"role": "user", "content": "x" * 40}]
+    p = asyncio.run(router.plan("chat", {"model": "m", "messages": msgs}, "pd", {}))
+    assert p.source == "local" and p.prompt_tokens > 40  # no request to an engine (NoUpstream)
+    router.settings.kv_tokenizer = "engine"
+    with pytest.raises(AssertionError, match="the engine was asked"):
+        asyncio.run(router.plan("chat", {"model": "m", "messages": msgs}, "pd", {}))
