@@ -3,11 +3,13 @@ KV-event-aware routing, and vllm-router's cache_aware policy as the peer.
 
     python -m bench.kv_routing [--quick] [--topologies pd,pd2p1d] [--policies load,prefix,kv,vllm-router]
         [--workloads chat,system,unrelated] [--users 12] [--turns 6] [--requests 64] [--concurrency 3]
-        [--max-tokens 32] [--seed 0] [--rounds 2] [--vllm-router BIN] [--proxy-arg=--kv-overlap-weight=2]
-        [--log-dir DIR]
+        [--max-tokens 32] [--seed 0] [--rounds 2] [--kv-cache-mib MIB] [--vllm-router BIN]
+        [--proxy-arg=--kv-overlap-weight=2] [--log-dir DIR]
 
-The default size (both topologies, all four policies, 2 rounds) takes ~N minutes on a 2-core
-host; `--quick` (4 users x 4 turns, 16 requests, 1 round) is a ~2 minute smoke run.
+The default size (both topologies, all four policies, 2 rounds) takes ~7 minutes on a 2-core
+host; `--quick` (4 users x 4 turns, 16 requests, 1 round) is a ~2 minute smoke run. Run it on
+an otherwise idle host: the engines are pinned to its cores, and anything else there moves the
+TTFTs more than routing does.
 
 Workloads (seeded, chat completions streamed through the router, ignore_eos):
 - chat: `--users` conversations of `--turns` turns; each turn sends every previous turn (the
@@ -17,7 +19,11 @@ Workloads (seeded, chat completions streamed through the router, ignore_eos):
   order.
 - system: `--system-prompts` long system prompts (~1.2k tokens), `--requests` short questions,
   each under one of them, in shuffled order, `--concurrency` at a time.
-- unrelated: `--requests` distinct random prompts (300-800 tokens), nothing shared.
+- unrelated: `--requests` distinct random prompts (300-800 tokens), nothing shared: the
+  control, where no policy can hit; its ratios are the noise floor (and a policy's own cost).
+The engines keep tests/procs.py's 256 MiB KV cache (~131k tokens: nothing is evicted, so
+routing only decides the first miss of a prefix on each instance); `--kv-cache-mib 10` (~5k
+tokens, the least that holds one 4096-token sequence) adds eviction pressure.
 Topologies: `pd`, two pd instances, each pinned to a core of its own (taskset); `pd2p1d`, two
 prefill instances (one core each) and one decode (unpinned on a 2-core host), pull connector.
 The engines start once per topology; each policy gets a router of its own (started, run,
@@ -26,19 +32,20 @@ stopped), and before each workload every engine's prefix cache is reset (POST
 every policy again, in reverse order every other round (load, prefix, kv, vllm-router, then
 vllm-router, kv, prefix, load), and pools its rounds.
 
-Policies: `load` (`--routing load`; on a proxy without --routing, its default), `prefix` (`--routing prefix`, or
-`--prefix-aware` on a proxy that has no --routing yet), `kv` (`--routing kv`: KV-event-aware;
-left out, with a note, while the proxy has no --routing), `vllm-router` (vllm-router
-`--policy cache_aware`, PyPI `vllm-router` in a venv of its own: `--vllm-router BIN`, default
-/root/.venvs/vllm-router/bin/vllm-router; left out, with the reason, when it is missing, does
-not start, or cannot serve a topology).
+Policies: `load` (`--routing load`; on a proxy without --routing, its default), `prefix`
+(`--routing prefix`, or `--prefix-aware` on a proxy that has no --routing yet), `kv`
+(`--routing kv`: KV-event-aware; left out, with a note, while the proxy has no --routing),
+`vllm-router` (vllm-router `--policy cache_aware`; for pd2p1d its `--vllm-pd-disaggregation`
+mode, whose NIXL-style kv_transfer_params our pull connector speaks; PyPI `vllm-router` in a
+venv of its own: `--vllm-router BIN`, default /root/.venvs/vllm-router/bin/vllm-router; left
+out, with the reason, when it is missing, does not start, or cannot serve a topology).
 
 Reported per topology, workload and policy: prefix-cache hit tokens and hit rate (the engines'
 vllm:prefix_cache_hits/queries_total over the run, summed over the instances that compute
 prompts: pd, or prefill), how the prompt tokens split over those instances, TTFT through the
 router (to the first streamed chunk with content; to the first chunk at all where the
-detokenizer held every byte back) p50/p99/mean, requests/s and generated
-tokens/s over the run, the ratios load/policy of TTFT mean and p99 (>1: better than load-only),
+detokenizer held every byte back) p50/p99/mean, requests/s and generated tokens/s over the
+run, the ratios load/policy of TTFT mean and p99 (>1: better than load-only),
 and the proxy's ascendserve_proxy_prefix_predicted/cached_tokens_total where it exports them.
 Results (with every TTFT) go to bench/results/kv_routing-*.json.
 """
@@ -251,17 +258,19 @@ def pin(proc: Proc, core: int | None) -> Proc:
     return proc
 
 
-def start_engines(topology: str, model: Path, logs: Path, no_pin: bool) -> dict[str, list[Proc]]:
+def start_engines(topology: str, model: Path, logs: Path, args) -> dict[str, list[Proc]]:
     """The topology's engines, started and ready: {"prompt": [pd or prefill], "decode": [...]}.
     Prompt engines get a core each; a decode one only where a third core is free."""
     cores = sorted(os.sched_getaffinity(0))
-    core_of = (lambda i: None) if no_pin else (lambda i: cores[i] if i < len(cores) else None)
+    core_of = (lambda i: None) if args.no_pin else (lambda i: cores[i] if i < len(cores) else None)
+    # a later --kv-cache-memory-bytes wins over tests/procs.py's ENGINE_ARGS (256 MiB)
+    kv = ("--kv-cache-memory-bytes", str(args.kv_cache_mib << 20)) if args.kv_cache_mib else ()
     if topology == "pd":
-        prompt = [pin(ascendserve("pd", model, logs, "--cluster-token", TOKEN, name=f"pd{i}", env=ENGINE_ENV),
+        prompt = [pin(ascendserve("pd", model, logs, "--cluster-token", TOKEN, *kv, name=f"pd{i}", env=ENGINE_ENV),
                       core_of(i)) for i in range(2)]
         decode: list[Proc] = []
     else:
-        common = ("--kv-connector", "pull", "--cluster-token", TOKEN)
+        common = ("--kv-connector", "pull", "--cluster-token", TOKEN, *kv)
         prompt = [pin(ascendserve("prefill", model, logs, *common, name=f"prefill{i}", env=ENGINE_ENV), core_of(i))
                   for i in range(2)]
         decode = [pin(ascendserve("decode", model, logs, *common, name="decode0", env=ENGINE_ENV), core_of(2))]
@@ -439,7 +448,7 @@ def run_workload(name: str, data, router: Proc, engines: dict, args) -> dict:
 
 
 def run_policy(policy: str, topology: str, engines: dict, workloads: dict, args, logs: Path, flags: dict,
-               peer: dict, notes: list[str]) -> dict | None:
+               peer: dict, notes: list[str], round_: int = 0) -> dict | None:
     """One router of `policy` over every workload: {workload: raw deltas}; None when it cannot
     run (the note says why)."""
     try:
@@ -466,7 +475,7 @@ def run_policy(policy: str, topology: str, engines: dict, workloads: dict, args,
                 continue
             out[name] = raw
             r = summarize(raw)
-            print(f"[{topology}] {policy:<11} {name:<9} {r['requests']} ok, {r['errors']} failed, "
+            print(f"[{topology} r{round_ + 1}] {policy:<11} {name:<9} {r['requests']} ok, {r['errors']} failed, "
                   f"~{r['prompt_tokens_mean']:.0f} prompt tokens each, hit rate {r['hit_rate']:.3f}, "
                   f"TTFT mean {r['ttft_mean_ms']:.1f} ms, {r['wall_s']:.1f} s"
                   + (f" (first error: {r['first_error']})" if r["errors"] else ""), flush=True)
@@ -484,7 +493,7 @@ def run_topology(topology: str, args, model: Path, logs: Path, workloads: dict, 
     order every other round; a policy that cannot run is left out with a note, the others go on."""
     raws: dict[str, dict[str, dict]] = {w: {} for w in workloads}
     try:
-        engines = start_engines(topology, model, logs, args.no_pin)
+        engines = start_engines(topology, model, logs, args)
     except Exception as exc:
         notes.append(f"[{topology}] left out: its engines did not start: {str(exc)[:1500]}")
         print(notes[-1], flush=True)
@@ -497,7 +506,7 @@ def run_topology(topology: str, args, model: Path, logs: Path, workloads: dict, 
             for policy in order:
                 if policy in skipped:
                     continue
-                by_workload = run_policy(policy, topology, engines, workloads, args, logs, flags, peer, notes)
+                by_workload = run_policy(policy, topology, engines, workloads, args, logs, flags, peer, notes, round_)
                 if by_workload is None:
                     skipped.add(policy)
                     continue
@@ -551,6 +560,9 @@ def main() -> None:
                     help="each policy's runs this many times, the order of the policies reversed every other round "
                          "(default 2, --quick 1)")
     ap.add_argument("--quick", action="store_true", help="smoke size: 4 users x 4 turns, 16 requests")
+    ap.add_argument("--kv-cache-mib", type=int, default=None,
+                    help="each engine's KV cache (default tests/procs.py's 256 MiB, ~131k tokens: nothing is evicted; "
+                         "10 MiB, ~5k tokens, the least for one 4096-token sequence, evicts)")
     ap.add_argument("--no-pin", action="store_true", help="leave every engine on every core")
     ap.add_argument("--vllm-router", default=DEFAULT_VLLM_ROUTER, help="vllm-router binary (else from PATH)")
     ap.add_argument("--proxy-arg", action="append", default=[],
