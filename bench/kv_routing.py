@@ -14,9 +14,10 @@ TTFTs more than routing does.
 Workloads (seeded, chat completions streamed through the router, ignore_eos):
 - chat: `--users` conversations of `--turns` turns; each turn sends every previous turn (the
   user's messages and the assistant's actual replies) plus a new user message, so each prompt
-  extends the previous one (~0.6k tokens at turn 1, ~2k at turn 6: the tiny model is one token
-  a byte, vLLM's CPU KV block 128 tokens). Users run `--concurrency` at a time, their turns in
-  order.
+  extends the previous one; the first opens with a document of `--context` tokens (3000: ~3.1k
+  tokens at turn 1, ~4.4k at turn 6; the tiny model is one token a byte, vLLM's CPU KV block
+  128 tokens; a miss then costs a prefill of thousands of tokens, as it does on a real model
+  with a shorter chat). Users run `--concurrency` at a time, their turns in order.
 - system: `--system-prompts` long system prompts (~1.2k tokens), `--requests` short questions,
   each under one of them, in shuffled order, `--concurrency` at a time.
 - unrelated: `--requests` distinct random prompts (300-800 tokens), nothing shared: the
@@ -99,13 +100,13 @@ def words(rng: random.Random, chars: int) -> str:
     return " ".join(out)
 
 
-def chat_workload(seed: int, users: int, turns: int) -> list[list[str]]:
-    """Per user, the new user message of each turn: a ~500-token opening (a document and a
-    question), then ~200-token follow-ups."""
+def chat_workload(seed: int, users: int, turns: int, context: int = 480) -> list[list[str]]:
+    """Per user, the new user message of each turn: an opening of a document of `context` tokens
+    and a question, then ~200-token follow-ups."""
     rng = random.Random(f"chat-{seed}")
     convs = []
     for u in range(users):
-        first = f"User {u}. Read this report and answer questions about it.\n{words(rng, 480)}\nFirst question?"
+        first = f"User {u}. Read this report and answer questions about it.\n{words(rng, context)}\nFirst question?"
         convs.append([first] + [f"Follow-up {t} from user {u}: {words(rng, 190)}?" for t in range(1, turns)])
     return convs
 
@@ -551,6 +552,9 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: chat, system, unrelated")
     ap.add_argument("--users", type=int, default=12, help="chat: conversations")
     ap.add_argument("--turns", type=int, default=6, help="chat: turns per conversation")
+    ap.add_argument("--context", type=int, default=3000, help="chat: tokens of the document each conversation "
+                    "opens with (a long context makes a prefill, and so a cache miss, cost what it costs on a "
+                    "real model; 480: a short chat, where the tiny model's prefill is cheap)")
     ap.add_argument("--requests", type=int, default=64, help="system and unrelated: requests each")
     ap.add_argument("--system-prompts", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=3)
@@ -592,7 +596,7 @@ def main() -> None:
     if "vllm-router" in args.policies:
         print(f"vllm-router: {peer.get('path', '')} {peer.get('version', '')} {peer.get('error', '')}".strip(),
               flush=True)
-    all_workloads = {"chat": chat_workload(args.seed, args.users, args.turns),
+    all_workloads = {"chat": chat_workload(args.seed, args.users, args.turns, args.context),
                      "system": system_workload(args.seed, args.system_prompts, args.requests),
                      "unrelated": unrelated_workload(args.seed, args.requests)}
     workloads = {w: all_workloads[w] for w in args.workloads}

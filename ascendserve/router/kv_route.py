@@ -77,7 +77,10 @@ class KVRouter:
         self._unhashable_warned: set[str] = set()
 
     # ---- the plan ----------------------------------------------------------------------
-    async def plan(self, kind: str, body: dict, role: str, headers: dict) -> Plan | None:
+    async def plan(self, kind: str, body: dict, role: str, headers: dict,
+                   known: tuple[list[int], str] | None = None) -> Plan | None:
+        """The request's blocks on each candidate of `role`; None: choose by load. `known`: the
+        token ids (and their source) a plan of the same request already has."""
         candidates = self.pools[role].active()
         if len(candidates) < 2:
             return self._by_load(role, "single")
@@ -87,7 +90,7 @@ class KVRouter:
         if any(idx is None or not idx.known for idx in indexes.values()):
             return self._by_load(role, "unknown")
         started = time.monotonic()
-        got = await self._token_ids(kind, body, candidates, headers)
+        got = known or await self._token_ids(kind, body, candidates, headers)
         if got is None:
             return self._by_load(role, "no_token_ids")
         ids, source = got

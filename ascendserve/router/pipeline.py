@@ -316,14 +316,19 @@ class Pipeline:
             raise
         if d_params is not None:
             d_body["kv_transfer_params"] = d_params
-        return await self._decode_holding(kind, d_body, headers, tokens, hold, pair)
+        return await self._decode_holding(kind, d_body, headers, tokens, hold, pair, plan)
 
     async def _decode_holding(self, kind: str, d_body: dict, headers: dict, tokens: int, hold: Lease,
-                              pair: Pair) -> Reply:
-        """Decode while P's KV hold stays on P's load until D's first byte."""
+                              pair: Pair, plan: Plan | None = None) -> Reply:
+        """Decode while P's KV hold stays on P's load until D's first byte. D by load, or by its
+        cached blocks where decode instances publish KV events (decode-side prefix caching)."""
         try:
+            d_plan = None
+            if plan is not None and self.kv_router is not None and \
+                    any(i.cache is not None for i in self.pools["decode"].active()):
+                d_plan = await self.kv_router.plan(kind, d_body, "decode", headers, known=(plan.ids, plan.source))
             return await self._decode(kind, "decode", d_body, headers, tokens, on_first_byte=hold.release,
-                                      exclude=pair.d_out)
+                                      exclude=pair.d_out, plan=d_plan)
         except BaseException:  # D failed or the client went away: P need not wait for its deadline
             if pair.free == "side-channel":  # ours: P frees at once; the others by lease or TTL
                 self._free_prefill_kv(d_body.get("kv_transfer_params"))
@@ -369,7 +374,7 @@ class Pipeline:
         callback = f"{self.metaserver_url}/v1/metaserver?ticket={answer['ticket']}"
         d_body = dict(body, kv_transfer_params=kv_params.push_decode_params(callback))
         d_body.pop("ec_transfer_params", None)  # for P (through the metaserver), not D
-        return await self._decode_holding(kind, d_body, headers, tokens, hold, pair)
+        return await self._decode_holding(kind, d_body, headers, tokens, hold, pair, plan)
 
     # ---- decode ------------------------------------------------------------
     async def _decode(self, kind: str, role: str, body: dict, headers: dict, tokens: int,
@@ -377,7 +382,7 @@ class Pipeline:
                       plan: Plan | None = None) -> Reply:
         cost = tokens + max_new_tokens(body)
         started = time.monotonic()
-        key = self._chooser(body, plan) if role == "pd" or self.settings.routing == "prefix" else None
+        key = self._chooser(body, plan) if plan is not None or self.settings.routing == "prefix" else None
         mode = ledger.mode_of(kind, body) if self.settings.migration_limit else None
         if mode is not None:
             return await self._generate(kind, role, body, headers, cost, started, key, on_first_byte, exclude, mode,
@@ -424,7 +429,7 @@ class Pipeline:
     def _routed(self, role: str, plan: Plan | None, usage: dict | None, prompt_ids: list[int] | None) -> None:
         """A pd/decode hop was sent (and maybe answered): what the plan predicted, what the
         engine says it had cached, and a check of locally computed token ids."""
-        if role == "pd" and plan is not None and self.kv_router is not None:
+        if plan is not None and self.kv_router is not None:
             if usage is None and prompt_ids is None:
                 self.kv_router.routed(plan)
             else:

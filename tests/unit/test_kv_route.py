@@ -253,3 +253,11 @@ def test_a_chat_is_planned_with_local_ids(text_model):
     router.settings.kv_tokenizer = "engine"
     with pytest.raises(AssertionError, match="the engine was asked"):
         asyncio.run(router.plan("chat", {"model": "m", "messages": msgs}, "pd", {}))
+
+
+def test_a_decode_plan_reuses_the_ids_of_the_prefill_plan():
+    pools, events, router, _ = cluster()
+    a, b = pools["pd"].active()
+    hold(events, a.url, IDS, 3)
+    p = asyncio.run(router.plan("chat", {"model": "m", "messages": []}, "pd", {}, known=(IDS, "local")))
+    assert p.source == "local" and p.overlap[a.url] == 3 * BS  # no tokenization (NoUpstream), no local files
