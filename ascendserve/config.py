@@ -178,15 +178,12 @@ class ProxyConfig(_Section):
     mm_hash_algorithm: Literal["blake3", "sha256", "sha512"] = "blake3"  # the engines' --mm-hasher-algorithm
     max_image_pixels: PositiveInt = 178_956_970  # larger images get 400 at the proxy (vLLM's own default limit)
     # how a pd or prefill instance is chosen: kv (the engines' KV events: cached blocks against load,
-    # router/kv_route.py; by load where an instance's cache is unknown), load, prefix (text affinity)
-    routing: Literal["kv", "load", "prefix"] = "kv"
+    # router/kv_route.py; by load where an instance's cache is unknown), load
+    routing: Literal["kv", "load"] = "kv"
     kv_overlap_weight: NonNegative = 1.0  # cost = weight x uncached prompt blocks + blocks in flight
     kv_temperature: NonNegative = 0.0  # 0: the cheapest; > 0: softmax over -cost / (temperature x blocks)
     kv_tokenizer: Literal["auto", "engine", "local"] = "auto"  # the prompt's token ids: local files or /tokenize
     kv_index_max_blocks: PositiveInt = 2_000_000  # per instance; above it the index is rebuilt from scratch
-    prefix_aware: bool = False  # = routing "prefix" (the older switch)
-    prefix_chars: PositiveInt = 1024
-    prefix_slack_tokens: NonNegative = 0.0  # how much busier the prefix-affine instance may be
     max_retries: Annotated[int, Meta(ge=0, le=20)] = 3
     retry_backoff_s: NonNegative = 0.05
     # a decode/pd instance that fails mid-generation: the request continues on another one with the
@@ -326,12 +323,20 @@ def _check_leaf(key: str, value: Any, tp: Any, source: str, strict: bool) -> Any
         ) from None
 
 
+# Keys that existed once, and what replaced them.
+_AFFINITY = ("the text-prefix affinity lost to KV-event-aware routing in bench/kv_routing.py; routing = 'kv' "
+             "(the default) sends a prompt where the engines' KV events say its blocks are cached")
+REMOVED = {"proxy.prefix_aware": _AFFINITY, "proxy.prefix_chars": _AFFINITY, "proxy.prefix_slack_tokens": _AFFINITY}
+
+
 def _check_tree(raw: dict, cls: type, prefix: str, source: str) -> dict:
     """Validate a nested dict from a TOML file against the struct `cls`."""
     types = _field_types(cls)
     checked: dict[str, Any] = {}
     for name, value in raw.items():
         key = f"{prefix}{name}"
+        if key in REMOVED:
+            raise ConfigError(f"{key} ({source}) was removed: {REMOVED[key]}")
         if name not in types:
             section = f"[{prefix[:-1]}]" if prefix else "the top level"
             raise ConfigError(
@@ -572,8 +577,6 @@ def _finish_kv_events(config: Config) -> None:
 
 
 def _finish_proxy(proxy: ProxyConfig, cluster: ClusterConfig) -> None:
-    if proxy.prefix_aware:
-        proxy.routing = "prefix"
     if proxy.prefiller_hosts or proxy.prefiller_ports:
         proxy.prefill += _expand("prefiller", proxy.prefiller_hosts, proxy.prefiller_ports,
                                  proxy.prefiller_hosts_num, proxy.prefiller_ports_inc)

@@ -122,20 +122,3 @@ def only_part(body: dict, msg_index: int, part_index: int) -> dict:
     message["content"] = [body["messages"][msg_index]["content"][part_index]]
     out["messages"] = [message]
     return out
-
-
-def prefix_key(body: dict, chars: int) -> bytes:
-    """The first `chars` characters of the prompt as the client sent it (for
-    chat: the messages' roles and text in order), as routing-affinity key."""
-    if "prompt" in body:
-        p = body["prompt"]
-        text = p if isinstance(p, str) else msgspec.json.encode(p).decode()
-    else:
-        pieces = []
-        for m in body.get("messages") or ():
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                content = "".join(str(x.get("text", "")) for x in content if isinstance(x, dict))
-            pieces.append(f"{m.get('role', '')}:{content or ''}\n" if isinstance(m, dict) else "")
-        text = "".join(pieces)
-    return text[:chars].encode()

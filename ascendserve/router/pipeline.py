@@ -41,7 +41,7 @@ from ascendserve.connectors.transport.channel import free_remote
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.wire import decode_json
 from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
-                                         only_part, prefix_key)
+                                         only_part)
 from ascendserve.connectors.ec.memcached import StoreError
 from ascendserve.router import kv_flow, ledger
 from ascendserve.router.ec import ECLookup
@@ -156,14 +156,10 @@ class Pipeline:
                                  self.pools["prefill"].select)
 
     # ---- retries -----------------------------------------------------------
-    def _chooser(self, body: dict, plan: Plan | None) -> Choose | None:
-        """How this request's pd / prefill (prefix routing: also decode) instance is chosen:
-        by the KV plan, by text affinity, or (None) by load."""
+    def _chooser(self, plan: Plan | None) -> Choose | None:
+        """How this request's instance is chosen: by the KV plan, or (None) by load."""
         if plan is not None and self.kv_router is not None:
             return lambda pool, tried: self.kv_router.pick(plan, pool, tried)
-        if self.settings.routing == "prefix":
-            key = prefix_key(body, self.settings.prefix_chars)
-            return lambda pool, tried: pool.select_for_prefix(key, self.settings.prefix_slack_tokens, tried)
         return None
 
     async def _with_retries(self, role: str, attempt: Callable[[Pool, Instance], Awaitable],
@@ -299,7 +295,7 @@ class Pipeline:
         """P first (pull, named, store flows: router/kv_flow.py), then D with what P's
         answer and the flow give it."""
         p_body = kv_flow.prefill_body(pair, body, headers["x-request-id"])
-        choose = self._chooser(body, plan) if plan is not None else None
+        choose = self._chooser(plan)
         p_reply, p_inst = await self._with_retries(
             "prefill", lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], p_body, headers, tokens),
             choose, exclude=pair.p_out)
@@ -382,7 +378,7 @@ class Pipeline:
                       plan: Plan | None = None) -> Reply:
         cost = tokens + max_new_tokens(body)
         started = time.monotonic()
-        key = self._chooser(body, plan) if plan is not None or self.settings.routing == "prefix" else None
+        key = self._chooser(plan)
         mode = ledger.mode_of(kind, body) if self.settings.migration_limit else None
         if mode is not None:
             return await self._generate(kind, role, body, headers, cost, started, key, on_first_byte, exclude, mode,

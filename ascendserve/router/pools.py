@@ -13,7 +13,6 @@ once its own in-flight requests finish).
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 import time
@@ -157,18 +156,6 @@ class Pool:
         for entry in skipped:
             heapq.heappush(self._heap, entry)
         return chosen
-
-    def select_for_prefix(self, key: bytes, slack_tokens: float,
-                          exclude: frozenset[str] = frozenset()) -> Instance | None:
-        """Prefix affinity: the instance that rendezvous hashing assigns to `key`
-        (so the same prompt prefix lands where its KV is cached), unless it is
-        busier than the least-loaded instance by more than `slack_tokens`."""
-        least = self.select(exclude)
-        if least is None:
-            return None
-        candidates = [i for i in self.active() if i.url not in exclude]
-        preferred = max(candidates, key=lambda i: hashlib.blake2b(key + i.url.encode(), digest_size=8).digest())
-        return preferred if preferred.priority <= least.priority + slack_tokens else least
 
     def lease(self, inst: Instance, tokens: int, kv: int = 0) -> Lease:
         return Lease(self, inst, tokens, kv)

@@ -481,7 +481,7 @@ def _openai_setup():
     from ascendserve.protocol import kv_params
     from ascendserve.protocol.mm_hash import part_hash
     from ascendserve.protocol.openai import (APIError, estimated_tokens, max_new_tokens, mm_parts, only_part,
-                                             parse, prefix_key)
+                                             parse)
     from ascendserve.router.media import encoder_tokens, image_size, part_url
 
     def one(data: bytes) -> None:
@@ -497,7 +497,6 @@ def _openai_setup():
         # what the pipeline derives from a checked body before (and while) it routes it
         estimated_tokens(body)
         max_new_tokens(body)
-        prefix_key(body, 64)
         kv_params.engine_request_ids(kind, "rid", body)
         if kind == "chat":
             parts = mm_parts(body)

@@ -236,3 +236,12 @@ def test_example_deployment_configs_give_the_seed_layout(model_dir):
     third = load("decode", str(example / "decode.toml"), {"model__path": str(model_dir)},
                  env={**env, "ASCENDSERVE_DATA_PARALLEL_RANK_START": "32"})
     assert third.engine.data_parallel_rank_start == 32
+
+
+def test_the_removed_text_affinity_keys_are_refused_with_the_reason(tmp_path):
+    from ascendserve.config import ConfigError, load
+
+    f = tmp_path / "proxy.toml"
+    f.write_text("[proxy]\nprefix_aware = true\n")
+    with pytest.raises(ConfigError, match=r"proxy.prefix_aware .* was removed: .*routing = 'kv'"):
+        load("proxy", str(f), {}, env={})

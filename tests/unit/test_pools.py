@@ -85,18 +85,3 @@ def test_pools_models_and_in_flight():
     pools["pd"].set_state(inst, ACTIVE)
     pools["pd"].lease(inst, 3)
     assert pools.models() == ["m1"] and pools.in_flight() == 1
-
-
-def test_prefix_affinity_sticks_until_load_says_otherwise():
-    pool = active_pool("pd", "a", "b", "c")
-    key = b"system: you are a helpful assistant. user: the same long document ..."
-    first = pool.select_for_prefix(key, slack_tokens=100)
-    assert all(pool.select_for_prefix(key, 100) is first for _ in range(5))
-    others = {pool.select_for_prefix(f"other prefix {i}".encode(), 100).url for i in range(30)}
-    assert len(others) == 3  # different prefixes spread over every instance
-    lease = pool.lease(first, 50)  # within the slack: affinity holds
-    assert pool.select_for_prefix(key, 100) is first
-    pool.lease(first, 100)  # now 150 tokens busier than the idlest: load wins
-    assert pool.select_for_prefix(key, 100) is not first
-    lease.release()
-    assert pool.select_for_prefix(key, 100, exclude=frozenset({first.url})) is not first
