@@ -279,7 +279,7 @@ MODULE_SECONDS = {  # the module's test seconds on one of two workers, fixtures 
     "tests/integration/test_kv_nixl.py": 230,  # measured alone, 2026-12-04
     "tests/integration/test_migration_kill.py": 260,  # measured alone, 2026-12-04
     "tests/integration/test_migration_splice.py": 65,  # measured alone, 2026-12-04 (oracle up)
-    "tests/integration/test_kv_routing.py": 80,  # measured alone, 2026-12-05 (oracle up)
+    "tests/integration/test_kv_routing.py": 160,  # measured alone, 2026-12-05 (both oracles up)
     "tests/integration/test_topologies.py": 123,
     "tests/integration/test_all_role.py": 105,
     "tests/integration/test_launch.py": 59,

@@ -29,7 +29,7 @@ from ascendserve.protocol.kv_events import BlockStored, CacheInfo, decode_batch
 from ascendserve.router.block_hash import BlockHasher
 from ascendserve.router.chat_template import LocalChat
 from tests.procs import ascendserve, control, start_all
-from tests.traffic import check_user_traffic
+from tests.traffic import BF16_TIE_NATS, check_user_traffic
 
 pytestmark = pytest.mark.integration
 
@@ -218,3 +218,37 @@ def test_a_holder_restarted_empty_is_not_preferred(cluster):
 
 def test_users_traffic_equals_plain_vllm(cluster):
     check_user_traffic(cluster["proxy"].url, cluster["oracle"].url, cluster["model"], seed=2200)
+
+
+# ---- the same, the way a user starts it ------------------------------------------------------
+@pytest.fixture(scope="module")
+def untuned(text_model, untuned_text_oracle, tmp_path_factory):
+    """Two pd engines and the proxy with no tuning flag at all (KV events are on by default)."""
+    logs = tmp_path_factory.mktemp("kv-routing-untuned")
+    pds = [ascendserve("pd", text_model, logs, name=f"pd-untuned-{i}", tuned=False) for i in range(2)]
+    start_all(*pds)
+    proxy = control("proxy", logs, "--pd", *(f"127.0.0.1:{p.port}" for p in pds), name="proxy-kv-untuned")
+    try:
+        proxy.start().wait_ready()
+        deadline = time.monotonic() + 60
+        while metric(proxy.url, "ascendserve_proxy_kv_index_known") < 2:
+            assert time.monotonic() < deadline, "the proxy does not follow the untuned instances' KV events"
+            time.sleep(0.5)
+        yield {"pds": pds, "proxy": proxy, "model": str(text_model), "oracle": untuned_text_oracle}
+    finally:
+        for p in (proxy, *pds):
+            p.stop()
+
+
+def test_untuned_engines_are_routed_by_their_cache_and_serve_users(untuned):
+    proxy, model, pds = untuned["proxy"], untuned["model"], untuned["pds"]
+    msgs = [{"role": "system", "content": "Untuned. " + SYSTEM}, {"role": "user", "content": "When is high tide?"}]
+    before = [served(p) for p in pds]
+    msgs.append({"role": "assistant", "content": turn(proxy.url, model, msgs)})
+    holder = next(i for i, p in enumerate(pds) if served(p) > before[i])
+    msgs.append({"role": "user", "content": "And the low tide?"})
+    before, hit0 = [served(p) for p in pds], hits(pds[holder])
+    turn(proxy.url, model, msgs)
+    assert [i for i, p in enumerate(pds) if served(p) > before[i]] == [holder]
+    assert hits(pds[holder]) - hit0 >= 5 * 128
+    check_user_traffic(proxy.url, untuned["oracle"].url, model, seed=2300, tie_nats=BF16_TIE_NATS)
