@@ -73,6 +73,7 @@ from tests.procs import Proc, ascendserve, control, free_port, start_all, wait_f
 
 TOKEN = "bench"  # the cluster token of every engine and proxy here (admin routes, KV side channels)
 POLICIES = ("load", "kv", "vllm-router")
+TOKENIZE: dict[str, dict] = {}  # per topology: tokenize_cost()
 TOPOLOGIES = ("pd", "pd2p1d")
 WORKLOADS = ("chat", "system", "unrelated")
 DEFAULT_VLLM_ROUTER = "/root/.venvs/vllm-router/bin/vllm-router"
@@ -496,6 +497,8 @@ def run_topology(topology: str, args, model: Path, logs: Path, workloads: dict, 
     skipped: set[str] = set()
     try:
         warm_up(engines["prompt"] + engines["decode"], args.model)
+        if topology == "pd" and "chat" in workloads:
+            TOKENIZE[topology] = tokenize_cost(engines["prompt"][0], args.model, workloads["chat"], notes)
         for round_ in range(args.rounds):
             order = args.policies if round_ % 2 == 0 else args.policies[::-1]
             for policy in order:
@@ -512,6 +515,40 @@ def run_topology(topology: str, args, model: Path, logs: Path, workloads: dict, 
             p.stop()
     return {name: {policy: summarize(raws[name][policy]) for policy in args.policies if policy in raws[name]}
             for name in workloads}
+
+
+def tokenize_cost(engine: Proc, model: str, convs: list[list[str]], notes: list[str]) -> dict:
+    """What the KV router's token ids cost per chat: rendered and tokenized in the proxy
+    (router/chat_template.py + tokenizers) against a round trip to the engine's /tokenize, on the
+    chat workload's openings and their second turns (medians, idle engines), and whether both
+    give the same ids."""
+    from tokenizers import Tokenizer
+
+    from ascendserve.router.chat_template import LocalChat
+
+    chat, tok = LocalChat.load(model), Tokenizer.from_file(f"{model}/tokenizer.json")
+    chats = [[{"role": "user", "content": c[0]}] for c in convs]
+    chats += [m + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": c[1]}]
+              for m, c in zip(chats, convs) if len(c) > 1]
+    local, remote, same = [], [], 0
+    with httpx.Client(timeout=60) as client:
+        for msgs in chats:
+            t0 = time.perf_counter()
+            ids = tok.encode(chat.render({"messages": msgs}), add_special_tokens=False).ids
+            t1 = time.perf_counter()
+            r = client.post(engine.url + "/tokenize", json={"model": model, "messages": msgs})
+            t2 = time.perf_counter()
+            local.append(t1 - t0)
+            remote.append(t2 - t1)
+            same += r.json()["tokens"] == ids
+    out = {"chats": len(chats), "local_ms": statistics.median(local) * 1000,
+           "engine_ms": statistics.median(remote) * 1000, "same_ids": same}
+    line = (f"token ids of a chat ({out['chats']} chats, median): in the proxy {out['local_ms']:.2f} ms, engine "
+            f"/tokenize {out['engine_ms']:.2f} ms ({out['engine_ms'] / out['local_ms']:.1f}x); same ids "
+            f"{same}/{len(chats)}")
+    print(line, flush=True)
+    notes.append(line)
+    return out
 
 
 def report(topology: str, results: dict, args) -> None:
@@ -611,6 +648,7 @@ def main() -> None:
     print(f"total {time.monotonic() - started:.0f} s; load average {os.getloadavg()[1]:.2f} over the last 5 min "
           f"(about {len(os.sched_getaffinity(0))} here when nothing else runs)")
     save("kv_routing", {"args": vars(args), "notes": notes, "vllm_router": peer, "results": results,
+                        "tokenize": TOKENIZE,
                         "elapsed_s": time.monotonic() - started, "loadavg": os.getloadavg()})
 
 
