@@ -141,8 +141,9 @@ class KVEventsConfig(_Section):
     # carry prompt token ids and ZMQ has no authentication: bound to `host` (loopback unless set).
     enabled: bool | None = None
     host: str = "127.0.0.1"
-    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # publisher; 0 = server.port + 1500 (DP rank r: + r)
-    replay_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # missed batches on request; 0 = port + DP ranks
+    # publisher; 0 = server.port + 1500 (internal DP: rank r on + r; an external rank has a port of its own)
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    replay_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # missed batches on request; 0 = port + 1000 (+ r)
     buffer_steps: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000  # batches kept for replay
 
 
@@ -570,7 +571,8 @@ def _finish_kv_events(config: Config) -> None:
     if not ev.port:
         ev.port = config.server.port + 1500
     if not ev.replay_port:
-        ev.replay_port = ev.port + ranks
+        # far from the publishers: ranks of `launch` serve on consecutive ports
+        ev.replay_port = ev.port + 1000
     if ev.enabled and max(ev.port, ev.replay_port) + ranks - 1 > 65535:
         raise ConfigError(f"kv_events ports {ev.port} and {ev.replay_port} (+ DP ranks) go above 65535; set "
                           "kv_events.port and kv_events.replay_port (--kv-events-port)")

@@ -76,7 +76,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv-transport", "kv.transport", "how KV pages move: tcp | shm (same host) | mooncake", ("prefill", "decode")),
     Flag("--kv-events", "kv_events.enabled", "true | false: publish vLLM's KV cache events for the proxy's routing (default: true for pd and prefill)", ENGINE_ROLES),
     Flag("--kv-events-host", "kv_events.host", "address the KV events bind (they carry prompt token ids; default 127.0.0.1)", ENGINE_ROLES),
-    Flag("--kv-events-port", "kv_events.port", "KV events port (default server port + 1500; replay on the next)", ENGINE_ROLES),
+    Flag("--kv-events-port", "kv_events.port", "KV events port (default server port + 1500; replay on server port + 2500)", ENGINE_ROLES),
     Flag("--kv-port", "kv.port", "KV side-channel port (default server port + 1000)", ("prefill", "decode")),
     Flag("--kv-ttl", "kv.ttl_s", "seconds P holds KV blocks that D never pulls", ("prefill", "decode")),
     Flag("--kv-staging-mib", "kv.staging_mib", "MiB of pinned host buffers per worker for KV in device memory", ("prefill", "decode")),

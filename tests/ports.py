@@ -6,7 +6,7 @@ outgoing connection's source port come from. The range 10000-29999 is split betw
 workers by the last two digits: with W workers, worker i owns the ports whose value mod 100
 falls in [i * 100 // W, (i + 1) * 100 // W). The ports ascendserve derives from a server port
 keep those digits or add a few units: the KV side channel is port + 1000 (+ TP rank), the
-NetLoader seed port + 2000, the KV events port + 1500 and their replay + 1501, `all`'s metaserver port + 1 and its engines port + 10.. — so a
+NetLoader seed port + 2000, the KV events port + 1500 and their replay + 2500, `all`'s metaserver port + 1 and its engines port + 10.. — so a
 derived port stays in the worker's share as long as the base leaves room below the end of it.
 Within a worker no port is handed out twice (the process remembers what it gave), and each
 one is checked free with bind() first; a base port also checks its derived ports.
@@ -18,8 +18,8 @@ import os
 import random
 import socket
 
-LOW, HIGH = 10000, 30000  # + 2000 (NetLoader) stays below the ephemeral range
-DERIVED = (1000, 1001, 1002, 1003, 1500, 1501, 2000)  # what an engine role binds beside --port by default
+LOW, HIGH = 10000, 30000  # + 2500 (KV events replay) stays below the ephemeral range (32768)
+DERIVED = (1000, 1001, 1002, 1003, 1500, 2000, 2500)  # what an engine role binds beside --port by default
 
 _issued: set[int] = set()
 _rng = random.Random()
@@ -54,7 +54,7 @@ def _bindable(port: int) -> bool:
 
 
 def _usable(ports: list[int], digits: range) -> bool:
-    return all(LOW <= p < HIGH + 2000 + 100 and p % 100 in digits and p not in _issued for p in ports) and \
+    return all(LOW <= p < HIGH + 2500 + 100 and p % 100 in digits and p not in _issued for p in ports) and \
         all(_bindable(p) for p in ports)
 
 

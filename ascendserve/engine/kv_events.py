@@ -6,7 +6,8 @@ The proxy subscribes to route a request where its prompt's blocks already are
 (router/kv_index.py, router/kv_route.py). The engine role:
   - turns it on for pd and prefill unless `[kv_events] enabled = false`, on `host`
     (127.0.0.1 unless set: the events carry prompt token ids and ZMQ has no authentication),
-    port `server.port + 1500` and replay on the next (internal DP ranks: + rank, as vLLM offsets);
+    port `server.port + 1500` and replay on `server.port + 2500` (internal DP ranks: + rank, as
+    vLLM offsets; an external rank of `launch` is not offset: it has ports of its own);
   - binds the publisher on that address: vLLM binds a PUB endpoint only when it holds a
     wildcard and connects otherwise (`ZmqEventPublisher._is_bind_endpoint`), so the plugin
     treats endpoints on `host` as binds (engine/patches/kv_events_bind.py,
@@ -30,6 +31,7 @@ from ascendserve.flags import argv_value
 from ascendserve.protocol.kv_events import CacheInfo
 
 BIND_ENV = "ASCENDSERVE_KV_EVENTS_BIND"
+NO_OFFSET_ENV = "ASCENDSERVE_KV_EVENTS_NO_OFFSET"
 INFO_ENV = "ASCENDSERVE_CACHE_INFO"
 CRYPTO_ALGOS = ("sha256", "sha256_cbor")
 ALGOS = (*CRYPTO_ALGOS, "xxhash", "xxhash_cbor")
@@ -50,9 +52,12 @@ def _tcp(host: str, port: int) -> str:
 
 
 def _ranks(config: Config) -> list[int]:
-    """The data parallel ranks behind this server, as vLLM offsets their event ports."""
+    """The port offsets of the publishers behind this server: vLLM's internal DP ranks each add
+    their rank; an external rank (`launch`) has a server and ports of its own, and the plugin
+    keeps vLLM from offsetting them again (NO_OFFSET_ENV: vLLM 0.32 offsets an external rank by
+    an index that is not its rank, which put rank 1's publisher on rank 0's replay port)."""
     e = config.engine
-    return list(range(e.data_parallel_size)) if e.data_parallel_rank is None else [e.data_parallel_rank]
+    return list(range(e.data_parallel_size)) if e.data_parallel_rank is None else [0]
 
 
 def events_args(config: Config, user_args: list[str]) -> list[str]:
@@ -108,7 +113,8 @@ def events_env(config: Config, user_args: list[str]) -> dict[str, str]:
     info = cache_info(config, user_args)
     if info is None:
         return {}
-    return {BIND_ENV: config.kv_events.host, INFO_ENV: msgspec.json.encode(info).decode()}
+    return {BIND_ENV: config.kv_events.host, INFO_ENV: msgspec.json.encode(info).decode(),
+            **({NO_OFFSET_ENV: "1"} if config.engine.data_parallel_rank is not None else {})}
 
 
 def registration(config: Config, user_args: list[str]) -> dict:

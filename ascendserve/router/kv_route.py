@@ -95,6 +95,8 @@ class KVRouter:
             return self._by_load(role, "no_token_ids")
         ids, source = got
         self.metrics.kv_tokenize.labels(source).observe(time.monotonic() - started)
+        if len(ids) < min((idx.block_size for idx in indexes.values() if idx.block_size), default=1):
+            return self._by_load(role, "short")  # not one whole block: nothing to find anywhere
         plan = Plan(role, len(ids), ids, source, body.get("model", ""))
         memo: dict[tuple, list[int] | None] = {}  # instances that hash alike share the keys
         for url, idx in indexes.items():
@@ -264,8 +266,10 @@ class KVRouter:
             uncached = max(0, plan.prompt_tokens - plan.overlap.get(inst.url, 0))
             costs.append(w * uncached / block + inst.priority / block)
         t = self.settings.kv_temperature
-        if t <= 0:
-            chosen = min(zip(costs, (i.priority for i in candidates), range(len(candidates))))[2]
+        if t <= 0:  # the cheapest; among equals, the one the load balancer would take (it rotates)
+            least = pool.select(exclude)
+            chosen = min(range(len(candidates)), key=lambda i: (costs[i], candidates[i] is not least,
+                                                                candidates[i].priority))
         else:
             scale = t * max(1.0, plan.prompt_tokens / max(plan.blocks.values(), default=1))
             low = min(costs)

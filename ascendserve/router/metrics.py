@@ -85,7 +85,7 @@ class ProxyMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.kv_routing = Counter("ascendserve_proxy_kv_routing", "pd/prefill choices by the engines' cached "
                                   "blocks (by=kv) or by load, and why (single, unknown, unsupported, no_token_ids, "
-                                  "unhashable)", ["role", "by"], registry=r)
+                                  "short, unhashable)", ["role", "by"], registry=r)
         self.kv_tokenize = Histogram("ascendserve_proxy_kv_tokenize_seconds", "getting a prompt's token ids for "
                                      "routing, by source (ids, local, engine)", ["source"], buckets=LATENCY_BUCKETS,
                                      registry=r)

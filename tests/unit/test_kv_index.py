@@ -300,3 +300,14 @@ async def test_sequence_numbers_that_start_over_or_skip_without_a_replay_endpoin
     await events._on_batch(idx, pub, 6, b"not msgpack")
     assert events.decode_errors == 1 and pub.last == 6 and idx.blocks == keys(4)
     await events.close()
+
+
+def test_an_external_rank_keeps_its_own_ports():
+    """vLLM offsets a publisher's ports by its DP index; an external rank of `launch` already has
+    ports of its own (the patch leaves them alone, and only then)."""
+    from ascendserve.engine.patches.kv_events_bind import NO_OFFSET_ENV
+
+    assert kv_events_bind.apply({kv_events_bind.ENV: "127.0.0.1", NO_OFFSET_ENV: "1"}) == \
+        ["kv_events_bind", "kv_events_no_offset"]
+    assert ZmqEventPublisher.offset_endpoint_port("tcp://127.0.0.1:9500", 1) == "tcp://127.0.0.1:9500"
+    assert ZmqEventPublisher.offset_endpoint_port("tcp://10.0.0.1:9500", 1) == "tcp://10.0.0.1:9501"

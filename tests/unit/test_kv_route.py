@@ -158,12 +158,12 @@ def test_events_are_on_for_pd_and_prefill_on_loopback_with_derived_ports(model_d
     for role, on in (("pd", True), ("prefill", True), ("decode", False)):
         c = engine_config(role, model_dir, server__port="8000")
         assert c.kv_events.enabled is on
-        assert (c.kv_events.port, c.kv_events.replay_port, c.kv_events.host) == (9500, 9501, "127.0.0.1")
+        assert (c.kv_events.port, c.kv_events.replay_port, c.kv_events.host) == (9500, 10500, "127.0.0.1")
         assert bool(kv_events.events_args(c, [])) is on
     c = engine_config("pd", model_dir, server__port="8000")
     args = kv_events.events_args(c, [])
     settings = msgspec.json.decode(args[args.index("--kv-events-config") + 1])
-    assert settings["endpoint"] == "tcp://127.0.0.1:9500" and settings["replay_endpoint"] == "tcp://127.0.0.1:9501"
+    assert settings["endpoint"] == "tcp://127.0.0.1:9500" and settings["replay_endpoint"] == "tcp://127.0.0.1:10500"
     assert settings["enable_kv_cache_events"] and settings["publisher"] == "zmq"
     assert "--enable-prompt-tokens-details" in args
     assert kv_events.events_env(c, [])[kv_events.BIND_ENV] == "127.0.0.1"
@@ -184,7 +184,15 @@ def test_cache_info_says_how_blocks_are_hashed(model_dir):
     dp = engine_config("pd", model_dir, server__port="8000", engine__data_parallel_size="2")
     info = kv_events.cache_info(dp, [], environ={})
     assert info.endpoints == ["tcp://127.0.0.1:9500", "tcp://127.0.0.1:9501"]
-    assert info.replay == ["tcp://127.0.0.1:9502", "tcp://127.0.0.1:9503"]
+    assert info.replay == ["tcp://127.0.0.1:10500", "tcp://127.0.0.1:10501"]
+    assert kv_events.NO_OFFSET_ENV not in kv_events.events_env(dp, [])
+    # ranks of `launch` on consecutive server ports: their own ports, no offset by vLLM, no overlap
+    ranks = [engine_config("pd", model_dir, server__port=str(8000 + r), engine__data_parallel_size="2",
+                           engine__data_parallel_rank=str(r)) for r in range(2)]
+    infos = [kv_events.cache_info(c, [], environ={}) for c in ranks]
+    assert [i.endpoints for i in infos] == [["tcp://127.0.0.1:9500"], ["tcp://127.0.0.1:9501"]]
+    assert [i.replay for i in infos] == [["tcp://127.0.0.1:10500"], ["tcp://127.0.0.1:10501"]]
+    assert all(kv_events.events_env(c, [])[kv_events.NO_OFFSET_ENV] == "1" for c in ranks)
     reg = msgspec.convert({"instance_id": "i", "role": "pd", "url": "http://h:1", "model": "m",
                            **kv_events.registration(c, [])}, Registration)
     assert reg.check() is None and reg.cache.endpoints == ["tcp://127.0.0.1:9500"]
@@ -261,3 +269,20 @@ def test_a_decode_plan_reuses_the_ids_of_the_prefill_plan():
     hold(events, a.url, IDS, 3)
     p = asyncio.run(router.plan("chat", {"model": "m", "messages": []}, "pd", {}, known=(IDS, "local")))
     assert p.source == "local" and p.overlap[a.url] == 3 * BS  # no tokenization (NoUpstream), no local files
+
+
+def test_equal_costs_go_where_the_load_balancer_would_and_short_prompts_by_load():
+    """With nothing cached anywhere and idle instances, requests still spread (the pool's own
+    rotation breaks the tie), and a prompt shorter than a block is not planned."""
+    pools, events, router, _ = cluster()
+    a, b = pools["pd"].active()
+    for idx in events.indexes.values():
+        idx.block_size = BS
+    chosen = []
+    for _ in range(4):
+        p = plan(router, IDS)
+        inst = router.pick(p, pools["pd"], frozenset())
+        pools["pd"].lease(inst, 10).release()  # served and done: the heap rotates
+        chosen.append(inst.url)
+    assert set(chosen) == {a.url, b.url}, chosen
+    assert plan(router, IDS[:BS - 1]) is None
