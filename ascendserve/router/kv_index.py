@@ -174,10 +174,8 @@ class KVEvents:
         idx = self.indexes.get(url)
         if idx is None:
             return
-        idx.clear(False, why)
-        info = idx.info
         self.forget(url)
-        if (fresh := self.follow(url, info)) is not None:
+        if (fresh := self.follow(url, idx.info)) is not None:
             fresh.clear(False, why)
 
     def expect(self, url: str) -> None:

@@ -163,29 +163,27 @@ class KVRouter:
                 return list(prompt), "ids"
             if not isinstance(prompt, str):
                 return None
-            local = self._local_ids(body.get("model", ""), prompt, body.get("add_special_tokens", True), candidates)
-            if local is not None:
-                ids = await local
-                if ids is not None:
-                    return ids, "local"
+            ids = await self._local_ids(body.get("model", ""), prompt, body.get("add_special_tokens", True),
+                                        candidates)
+            if ids is not None:
+                return ids, "local"
             tok = {"model": body.get("model"), "prompt": prompt}
             if "add_special_tokens" in body:
                 tok["add_special_tokens"] = body["add_special_tokens"]
         else:
             text = self._local_chat(body, candidates)
-            if text is not None:
-                local = self._local_ids(body.get("model", ""), text, body.get("add_special_tokens", False),
-                                        candidates)
-                if local is not None and (ids := await local) is not None:
-                    return ids, "local"
+            if text is not None and (ids := await self._local_ids(body.get("model", ""), text,
+                                                                  body.get("add_special_tokens", False),
+                                                                  candidates)) is not None:
+                return ids, "local"
             tok = {"model": body.get("model"), "messages": body.get("messages")}
             tok |= {k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body}
         ids = await self._engine_ids(tok, candidates, headers)
         return (ids, "engine") if ids is not None else None
 
-    def _local_ids(self, model: str, prompt: str, special: bool, candidates: list[Instance]):
-        """An awaitable of the ids from the model's tokenizer file, or None (not readable here,
-        or the setting says engine)."""
+    async def _local_ids(self, model: str, prompt: str, special: bool, candidates: list[Instance]) -> list[int] | None:
+        """The ids from the model's tokenizer file, or None (not readable here, the setting says
+        engine, or the tokenizer refused the text); a long text is encoded off the event loop."""
         if self.settings.kv_tokenizer == "engine" or model in self._engine_only:
             return None
         root = next((i.root for i in candidates if i.root), "")
@@ -199,11 +197,7 @@ class KVRouter:
             except Exception:  # a tokenizer that cannot take this text: ask the engine
                 return None
 
-        if len(prompt) > LOCAL_OFFLOAD_CHARS:
-            return asyncio.to_thread(encode)
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(encode())
-        return future
+        return await asyncio.to_thread(encode) if len(prompt) > LOCAL_OFFLOAD_CHARS else encode()
 
     def _local_chat(self, body: dict, candidates: list[Instance]) -> str | None:
         """A plain chat's prompt text rendered here (router/chat_template.py), or None."""

@@ -387,8 +387,8 @@ class Pipeline:
             result, inst = await self._with_retries(
                 role, lambda pool, inst: self._post_leased(pool, inst, PATHS[kind], body, headers, cost), key,
                 exclude)
-            self._routed(role, plan, None, None)
-            self._routed(role, plan, result.get("usage") if isinstance(result, dict) else None, None)
+            self._sent(plan)
+            self._answered(role, plan, result.get("usage") if isinstance(result, dict) else None, None)
             if inst.cache is not None and inst.cache.details_added and isinstance(result.get("usage"), dict):
                 result["usage"]["prompt_tokens_details"] = None  # vLLM's null: the client did not turn it on
             self.metrics.observe_done(started)
@@ -414,7 +414,7 @@ class Pipeline:
             if on_first_byte:
                 on_first_byte()
             raise
-        self._routed(role, plan, None, None)
+        self._sent(plan)
         if on_first_byte:
             on_first_byte()
         self.metrics.ttft.observe(time.monotonic() - started)
@@ -422,14 +422,16 @@ class Pipeline:
                      backend=lease.instance.url)
 
     # ---- a generation that survives its instance (router/ledger.py, router/migrate.py) ----
-    def _routed(self, role: str, plan: Plan | None, usage: dict | None, prompt_ids: list[int] | None) -> None:
-        """A pd/decode hop was sent (and maybe answered): what the plan predicted, what the
-        engine says it had cached, and a check of locally computed token ids."""
+    def _sent(self, plan: Plan | None) -> None:
+        """A planned pd/decode hop was sent: what the plan predicted is counted."""
         if plan is not None and self.kv_router is not None:
-            if usage is None and prompt_ids is None:
-                self.kv_router.routed(plan)
-            else:
-                self.kv_router.check_ids(plan, prompt_ids)
+            self.kv_router.routed(plan)
+
+    def _answered(self, role: str, plan: Plan | None, usage: dict | None, prompt_ids: list[int] | None) -> None:
+        """A pd/decode hop answered: what the engine says it had cached, and a check of locally
+        computed token ids against the engine's."""
+        if plan is not None and self.kv_router is not None:
+            self.kv_router.check_ids(plan, prompt_ids)
         if usage is not None and role == "pd":
             self.metrics.observe_cached(role, usage)
 
@@ -457,7 +459,7 @@ class Pipeline:
                 on_first_byte()
         if led.stream:
             self.metrics.ttft.observe(time.monotonic() - started)
-        self._routed(role, plan, None, None)
+        self._sent(plan)
         led.strip_details = bool(leg.instance.cache is not None and leg.instance.cache.details_added)
         gen = Generation(led, role, leg, evs, done, open_leg, self._pick, self._detokenize, self.settings,
                          self.metrics, self._stalled, lambda inst: self.check_now(), request_id)
@@ -465,7 +467,7 @@ class Pipeline:
             return Reply(stream=self._relay_generation(gen, started, kind, request_id, plan), backend=leg.instance.url)
         async for _ in gen.run():
             pass
-        self._routed(role, plan, led.engine_usage, led.prompt_ids)
+        self._answered(role, plan, led.engine_usage, led.prompt_ids)
         if gen.error:
             raise APIError(502, gen.error, type="service_unavailable", code="backend_failed")
         self.metrics.observe_done(started)
@@ -553,7 +555,7 @@ class Pipeline:
             if not gen.error:
                 outcome = "ok"
                 self.metrics.observe_done(started)
-                self._routed(gen.role, plan, gen.ledger.engine_usage, gen.ledger.prompt_ids)
+                self._answered(gen.role, plan, gen.ledger.engine_usage, gen.ledger.prompt_ids)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
             self.metrics.cancelled.inc()
