@@ -226,12 +226,26 @@ class MetaserverConfig(_Section):
     push_expect_ttl_s: Seconds = 120.0
 
 
+class RegistryConfig(_Section):
+    # Where instances, NetLoader seeds and metaservers are found: the metaserver (one process's memory,
+    # cluster.metaserver_url) or etcd (the v3 API through its JSON gateway; discovery/etcd.py)
+    backend: Literal["metaserver", "etcd"] = "metaserver"
+    endpoints: list[str] = []  # etcd client URLs (http(s)://host:2379); role all: empty starts a local etcd
+    cluster: str = "default"  # keys live under /ascendserve/<cluster>/
+    lease_ttl_s: Annotated[int, Meta(ge=2, le=3600)] = 10  # an instance's key outlives its last keep-alive by this
+    username: str = ""  # etcd auth (the password: prefer ASCENDSERVE_REGISTRY_PASSWORD)
+    password: str = ""
+    tls_cert: str = ""  # etcd client certificate and key (mTLS); the CA is cluster.tls_ca
+    tls_key: str = ""
+
+
 class AllConfig(_Section):
     topology: Literal["1E1P1D", "1P1D", "1E1PD", "mono"] = "1E1P1D"
     restart_backoff_max_s: Seconds = 30.0
     # a child that exits before its readiness probe ever answered, this many times in a row,
     # is given up and `all` exits non-zero (systemd's start limit); 0: restart for ever
     start_limit: Annotated[int, Meta(ge=0, le=1000)] = 3
+    proxies: Annotated[int, Meta(ge=1, le=16)] = 1  # proxies on server.port, +1, ...
 
 
 class Config(_Section):
@@ -250,6 +264,7 @@ class Config(_Section):
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     metaserver: MetaserverConfig = msgspec.field(default_factory=MetaserverConfig)
+    registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
     all: AllConfig = msgspec.field(default_factory=AllConfig)
 
     @property
@@ -278,7 +293,8 @@ class Config(_Section):
 
 def secrets(config: Config) -> list[str]:
     """This process's secret values (masked in every log line, never echoed)."""
-    return [v for v in (config.cluster.token, config.proxy.backend_api_key, *config.proxy.api_keys) if v]
+    return [v for v in (config.cluster.token, config.proxy.backend_api_key, config.registry.password,
+                        *config.proxy.api_keys) if v]
 
 
 _SECRET_KEY = re.compile(r"(token|secret|password|api[-_]?key)", re.IGNORECASE)
@@ -608,9 +624,9 @@ def _check_model(path: str) -> None:
 # Sections that mean something to each kind of role (the rest is noise in its log).
 _SECTIONS = {
     "engine": {"role", "instance_id", "runtime_dir", "server", "model", "engine", "kv", "kv_events", "ec", "log",
-               "cluster"},
-    "proxy": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "proxy", "ec"},
-    "metaserver": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "metaserver"},
+               "cluster", "registry"},
+    "proxy": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "proxy", "ec", "registry"},
+    "metaserver": {"role", "instance_id", "runtime_dir", "server", "log", "cluster", "metaserver", "registry"},
 }
 
 

@@ -49,6 +49,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-connections", "server.max_connections", "HTTP connections served at once; more wait (default 8192)", ("proxy", "metaserver", "elastic-server")),
     Flag("--max-body-mb", "proxy.max_body_mb", "largest request body in MiB; larger gets 413 (default 32)", ("proxy", "metaserver")),
     Flag("--metaserver-url", "cluster.metaserver_url", "metaserver to register with"),
+    Flag("--registry-backend", "registry.backend", "where instances are found: metaserver (default) | etcd"),
+    Flag("--registry-endpoints", "registry.endpoints", "etcd client URLs http(s)://host:2379 (backend etcd)", many=True),
+    Flag("--registry-cluster", "registry.cluster", "cluster name: keys under /ascendserve/<cluster>/ (default default)"),
+    Flag("--registry-lease-ttl", "registry.lease_ttl_s", "seconds an instance's etcd key outlives its last keep-alive (default 10)"),
+    Flag("--registry-username", "registry.username", "etcd user (backend etcd)"),
+    Flag("--registry-password", "registry.password", "etcd password (prefer the env twin: argv is visible in ps)"),
+    Flag("--registry-tls-cert", "registry.tls_cert", "etcd client certificate (mTLS; CA: --tls-ca)"),
+    Flag("--registry-tls-key", "registry.tls_key", "etcd client key (mTLS)"),
     Flag("--model", "model.path", "local model directory (role all: default a tiny demo model)", (*ENGINE_ROLES, "all", "elastic-server")),
     Flag("--served-model-name", "model.served_name", "model name clients use (default: the path)", ENGINE_ROLES),
     Flag("--tensor-parallel-size", "engine.tensor_parallel_size", "tensor parallel ranks", ENGINE_ROLES),
@@ -121,6 +129,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--decoder-hosts-num", "proxy.decoder_hosts_num", "repeat each decoder host N times", ("proxy",), many=True),
     Flag("--decoder-ports-inc", "proxy.decoder_ports_inc", "N consecutive ports from each decoder port", ("proxy",), many=True),
     Flag("--topology", "all.topology", "1E1P1D | 1P1D | 1E1PD | mono", ("all",)),
+    Flag("--proxies", "all.proxies", "proxies `all` starts, on --port, --port + 1, ... (default 1)", ("all",)),
     Flag("--start-limit", "all.start_limit", "give up (exit 1) on a child that fails to start this many times in a row; 0: never", ("all",)),
 )
 
