@@ -485,9 +485,10 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
         if config.netloader.sources not in ([], ["auto"]):
             for source in config.netloader.sources:
                 instance_url("netloader.sources", source)  # host:port, checked now rather than at load time
-        if config.netloader.sources == ["auto"] and not config.cluster.metaserver_url:
-            raise ConfigError("netloader.sources = ['auto'] finds seeds through the metaserver: "
-                              "set cluster.metaserver_url (--metaserver-url)")
+        if config.netloader.sources == ["auto"] and not config.cluster.metaserver_url \
+                and config.registry.backend != "etcd":
+            raise ConfigError("netloader.sources = ['auto'] finds seeds through the registry: "
+                              "set cluster.metaserver_url (--metaserver-url) or registry.backend = 'etcd'")
         if not config.netloader.port:
             config.netloader.port = config.server.port + 2000
             if config.netloader.port > 65535:
@@ -502,8 +503,9 @@ def _finish(config: Config, env: dict[str, str]) -> Config:
         config.cluster.advertise_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     if config.cluster.metaserver_url:
         _check_callback_url("cluster.metaserver_url", config.cluster.metaserver_url)
+    _check_registry(config)
     if config.role == "proxy":
-        _finish_proxy(config.proxy, config.cluster)
+        _finish_proxy(config.proxy, config.cluster, config.registry)
     from ascendserve.security import check
 
     check(config)
@@ -594,7 +596,25 @@ def _finish_kv_events(config: Config) -> None:
                           "kv_events.port and kv_events.replay_port (--kv-events-port)")
 
 
-def _finish_proxy(proxy: ProxyConfig, cluster: ClusterConfig) -> None:
+def _check_registry(config: Config) -> None:
+    reg = config.registry
+    if reg.backend != "etcd":
+        return
+    if not reg.endpoints and config.role != "all":
+        raise ConfigError("registry.backend = 'etcd' needs registry.endpoints (--registry-endpoints "
+                          "http://host:2379 ...)")
+    for url in reg.endpoints:
+        if not re.match(r"^https?://[^/\s]+/?$", url):
+            raise ConfigError(f"registry.endpoints: {url!r} is not an etcd client URL http(s)://host:port")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", reg.cluster):
+        raise ConfigError(f"registry.cluster = {reg.cluster!r}: 1..64 of letters, digits, '.', '_', '-'")
+    if bool(reg.tls_cert) != bool(reg.tls_key):
+        raise ConfigError("registry.tls_cert and registry.tls_key go together: set both (PEM files) or neither")
+    if reg.password and not reg.username:
+        raise ConfigError("registry.password without registry.username: set the etcd user too")
+
+
+def _finish_proxy(proxy: ProxyConfig, cluster: ClusterConfig, registry: RegistryConfig) -> None:
     if proxy.prefiller_hosts or proxy.prefiller_ports:
         proxy.prefill += _expand("prefiller", proxy.prefiller_hosts, proxy.prefiller_ports,
                                  proxy.prefiller_hosts_num, proxy.prefiller_ports_inc)
@@ -603,9 +623,10 @@ def _finish_proxy(proxy: ProxyConfig, cluster: ClusterConfig) -> None:
                                 proxy.decoder_hosts_num, proxy.decoder_ports_inc)
     for role in ("encoder", "prefill", "decode", "pd"):
         setattr(proxy, role, [instance_url(f"proxy.{role}", a) for a in getattr(proxy, role)])
-    if proxy.mode == "push" and not cluster.metaserver_url:
-        raise ConfigError("proxy.mode = 'push' needs cluster.metaserver_url (--metaserver-url): "
-                          "decode instances ask the metaserver to dispatch their prefill")
+    if proxy.mode == "push" and not cluster.metaserver_url and registry.backend != "etcd":
+        raise ConfigError("proxy.mode = 'push' needs cluster.metaserver_url (--metaserver-url), or "
+                          "registry.backend = 'etcd' (metaservers found there): decode instances ask a "
+                          "metaserver to dispatch their prefill")
 
 
 def _check_model(path: str) -> None:

@@ -47,7 +47,12 @@ def security_warnings(config: Config) -> list[str]:
     elif exposed:
         out.append(f"UNAUTHENTICATED: {' and '.join(exposed)} served on {config.server.host} without "
                    "cluster.token (allow_unauthenticated = true): anyone who can reach this host may use them")
-    if config.cluster.token and len(config.cluster.token) < 16 and internal_listeners(config):
+    if config.is_engine and not config.cluster.token and not is_loopback(config.server.host):
+        out.append(f"UNAUTHENTICATED: this engine serves its client API and vLLM's admin routes on "
+                   f"{config.server.host} without cluster.token: anyone who can reach this host may use them, "
+                   "around the proxy's API keys and limits; set cluster.token (--cluster-token / "
+                   "ASCENDSERVE_CLUSTER_TOKEN, the proxy's), and only the cluster gets in")
+    if config.cluster.token and len(config.cluster.token) < 16 and (internal_listeners(config) or config.is_engine):
         out.append(f"cluster.token is short ({len(config.cluster.token)} characters); use 32 or more random "
                    "characters, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return out

@@ -4,7 +4,7 @@ no shared memory left by a killed predecessor."""
 from __future__ import annotations
 
 from ascendserve.config import Config
-from ascendserve.discovery.heartbeat import Heartbeat
+from ascendserve.discovery.heartbeat import Heartbeat, registrar_for
 from ascendserve.engine.startup_stop import exit_now
 from ascendserve.engine.kv_args import kv_registration
 from ascendserve.engine import kv_events
@@ -28,14 +28,14 @@ def run_engine(config: Config) -> int:
         log.warning("KV events are published on a non-loopback address without authentication: whoever "
                     "reaches it reads the token ids of every prompt this instance caches",
                     address=f"{config.kv_events.host}:{config.kv_events.port}")
-    if config.cluster.metaserver_url:
-        heartbeat = Heartbeat(config.cluster.metaserver_url, config.cluster.token, config.instance_id,
-                              config.role, config.advertise_url, config.local_url,
+    if (registrar := registrar_for(config)) is not None:
+        heartbeat = Heartbeat(registrar, config.instance_id, config.role, config.advertise_url, config.local_url,
                               config.model.served_name or config.model.path,
                               config.metaserver.heartbeat_interval_s,
                               {**seed_registration(config), **kv_registration(config),
                                **kv_events.registration(config, user_args)},
-                              tls_ca=config.cluster.tls_ca).start()
+                              ready_headers={"x-cluster-token": config.cluster.token} if config.cluster.token
+                              else None).start()
     try:
         code = serve(config)
     finally:

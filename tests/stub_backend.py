@@ -322,6 +322,10 @@ def main() -> None:
     ap.add_argument("--gate-timeout-s", type=float, default=30.0, help="longest wait at the gate (POST /stub/reset)")
     ap.add_argument("--metaserver-url", default="", help="register and heartbeat like an engine role")
     ap.add_argument("--cluster-token", default="")
+    ap.add_argument("--registry-endpoints", default="", help="register in etcd (comma-separated client URLs)")
+    ap.add_argument("--registry-cluster", default="default")
+    ap.add_argument("--lease-ttl", type=int, default=3, help="etcd lease TTL")
+    ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--kv-connector", default="", help="speak this KV connector's flow and say so at /kv_info")
     ap.add_argument("--kv-connectors", default="", help="multi: its connectors, comma-separated")
     ap.add_argument("--fail-status", type=int, default=0, help="answer every generation request with this status")
@@ -332,12 +336,15 @@ def main() -> None:
     from ascendserve.web.server import run
 
     raise_open_files_limit()  # a load test holds thousands of streams on one stub
-    if args.metaserver_url:
-        from ascendserve.discovery.heartbeat import Heartbeat
+    if args.metaserver_url or args.registry_endpoints:
+        from ascendserve.discovery import etcd
+        from ascendserve.discovery.heartbeat import EtcdRegistrar, Heartbeat, MetaserverRegistrar
 
-        url = f"http://127.0.0.1:{args.port}"
-        Heartbeat(args.metaserver_url, args.cluster_token, f"stub-{args.role}-{args.port}", args.role, url, url,
-                  args.model, interval_s=0.5).start()
+        url = f"http://{args.host}:{args.port}"
+        registrar = EtcdRegistrar(etcd.EtcdSettings(tuple(args.registry_endpoints.split(",")), args.registry_cluster,
+                                                    args.lease_ttl)) if args.registry_endpoints else \
+            MetaserverRegistrar(args.metaserver_url, args.cluster_token)
+        Heartbeat(registrar, f"stub-{args.role}-{args.port}", args.role, url, url, args.model, interval_s=0.5).start()
     # vLLM's admin routes behind the same guard as a real engine's (engine/middleware); the test's
     # own /stub/ routes stay open
     from ascendserve.engine.middleware import ClusterGuard
@@ -349,7 +356,7 @@ def main() -> None:
         target = app if scope.get("path", "").startswith("/stub/") else guarded
         return await target(scope, receive, send)
 
-    run(serve, ServerConfig(port=args.port))
+    run(serve, ServerConfig(host=args.host, port=args.port))
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@
 (`/reset_prefix_cache`, `/start_profile`, `/pause`, `/sleep`,
 `/collective_rpc`, LoRA loading, `/docs`, ...: whatever this vLLM serves) need
 it, compared in constant time, as `x-cluster-token` or `Authorization:
-Bearer`. Open: probes (`/health`, `/ping`, `/ready`, `/version`, `/metrics`,
-`/load`) and the client API (`/v1/...`, `/v2/...`, `/inference/...`,
-`/tokenize`, `/detokenize`, `/pooling`, `/classify`, `/score`, `/rerank`,
-`/invocations`), which vLLM's own `--api-key` guards. An allow-list, so a
-route a new vLLM adds is guarded until it is listed here.
+Bearer`. Always open: the probes (`/health`, `/ping`, `/ready`, `/version`,
+`/metrics`, `/load`, `/kv_info`, `/cache_info`). The client API (`/v1/...`,
+`/v2/...`, `/inference/...`, `/tokenize`, `/detokenize`, `/pooling`,
+`/classify`, `/score`, `/rerank`, `/invocations`) is open on a loopback bind;
+bound anywhere else it takes the cluster token or one of the API keys vLLM
+itself accepts (`--api-key`, `VLLM_API_KEY`), so that a client on the network
+cannot go around the proxy (its API keys, limits and routing): the proxy
+sends the token with every request. An allow-list, so a route a new vLLM adds
+is guarded until it is listed here.
 
 `RequestContext`: binds the request id (`x-request-id`, generated when absent) into
 structlog's context so every log line emitted while serving the request
@@ -19,11 +23,14 @@ request instead of uvicorn's access log.
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import time
 import uuid
 
 import structlog
+
+from ascendserve.security import is_loopback
 
 _log = structlog.get_logger("ascendserve.http")
 # Probed every few seconds by proxies and scrapers: keep them out of info logs.
@@ -73,52 +80,100 @@ class RequestContext:
                 )
 
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/readyz", "/version", "/metrics", "/load",
-                        "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/invocations"})
-OPEN_PREFIXES = ("/v1/", "/v2/", "/inference/")
-# under an open prefix, but they change the running server
+PROBE_PATHS = frozenset({"/health", "/ping", "/ready", "/readyz", "/version", "/metrics", "/load",
+                         "/kv_info", "/cache_info"})
+CLIENT_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank",
+                          "/invocations"})
+CLIENT_PREFIXES = ("/v1/", "/v2/", "/inference/")
+# under a client prefix, but they change the running server
 GUARDED_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
-_REFUSED = (b'{"error": {"message": "missing or invalid cluster token", "type": "authentication_error", '
-            b'"param": null, "code": "401"}}')
+# What the role tells vLLM's processes (engine/vllm_server.guard_env): the address vLLM binds and
+# the API keys vLLM accepts (a JSON list).
+HOST_ENV, API_KEYS_ENV = "ASCENDSERVE_ENGINE_HOST", "ASCENDSERVE_ENGINE_API_KEYS"
+
+
+def _refusal(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
+                                 "code": "401"}}).encode()
+
+
+_REFUSED = _refusal("missing or invalid cluster token")
+_REFUSED_CLIENT = _refusal("missing or invalid cluster token or API key: this engine serves its client API to "
+                           "the cluster only; send requests through the proxy")
+
+
+def is_probe(path: str) -> bool:
+    return path in PROBE_PATHS
+
+
+def is_client_api(path: str) -> bool:
+    return path not in GUARDED_PATHS and (path in CLIENT_PATHS or path.startswith(CLIENT_PREFIXES))
 
 
 def is_open(path: str) -> bool:
-    if path in GUARDED_PATHS:
-        return False
-    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+    """Open without the token on a loopback bind: the probes and the client API."""
+    return is_probe(path) or is_client_api(path)
+
+
+def _bearer(scope) -> str:
+    auth = _header(scope, b"authorization") or ""
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
 
 
 def presented(scope) -> str:
     """x-cluster-token, else a Bearer credential (the proxy sends both: Authorization is the backend API key)."""
     token = _header(scope, b"x-cluster-token")
-    if token is not None:
-        return token
-    auth = _header(scope, b"authorization") or ""
-    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    return token if token is not None else _bearer(scope)
+
+
+def _matches(credential: str, accepted: list[bytes]) -> bool:
+    ok = False
+    for value in accepted:  # no early exit: timing does not tell which one matched
+        ok |= hmac.compare_digest(credential.encode(), value)
+    return ok
 
 
 class ClusterGuard:
-    """Refuses vLLM's admin routes without the cluster token (ASCENDSERVE_CLUSTER_TOKEN,
-    set by the role for vLLM's processes); passes everything when there is none."""
+    """Refuses vLLM's admin routes without the cluster token (ASCENDSERVE_CLUSTER_TOKEN, set by
+    the role for vLLM's processes), and its client API too when vLLM is bound off loopback
+    (ASCENDSERVE_ENGINE_HOST; unset counts as off loopback), unless an API key vLLM accepts
+    (ASCENDSERVE_ENGINE_API_KEYS) is presented instead. Passes everything when there is no token:
+    nothing to check against (security.security_warnings warns of an engine open off loopback)."""
 
-    def __init__(self, app, token: str | None = None):
+    def __init__(self, app, token: str | None = None, host: str | None = None, api_keys: list[str] | None = None):
         self.app = app
         self.token = (os.environ.get("ASCENDSERVE_CLUSTER_TOKEN", "") if token is None else token).encode()
+        host = os.environ.get(HOST_ENV, "") if host is None else host
+        self.client_api_open = not self.token or is_loopback(host)
+        if api_keys is None:
+            api_keys = json.loads(os.environ.get(API_KEYS_ENV) or "[]")
+        self.api_keys = [k.encode() for k in api_keys if k]
+
+    def _admits(self, scope, client_api: bool) -> bool:
+        """The token as x-cluster-token or Bearer; on the client API, a Bearer API key too."""
+        token = _header(scope, b"x-cluster-token")
+        bearer = _bearer(scope)
+        ok = _matches(token, [self.token]) if token is not None else False
+        ok |= _matches(bearer, [self.token, *(self.api_keys if client_api else [])])
+        return ok
 
     async def __call__(self, scope, receive, send):
-        if (not self.token or scope["type"] not in ("http", "websocket")
-                or is_open(scope.get("path", ""))
-                or hmac.compare_digest(presented(scope).encode(), self.token)):
+        path = scope.get("path", "")
+        if not self.token or scope["type"] not in ("http", "websocket") or is_probe(path):
+            return await self.app(scope, receive, send)
+        client_api = is_client_api(path)
+        if (client_api and self.client_api_open) or self._admits(scope, client_api):
             return await self.app(scope, receive, send)
         client = (scope.get("client") or ("",))[0]
-        _log.warning("authentication failed", credential="cluster token", path=scope.get("path"), client=client,
-                     presented=bool(presented(scope)))
+        _log.warning("authentication failed", credential="cluster token or API key" if client_api else "cluster token",
+                     path=path, client=client, presented=bool(presented(scope)))
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
+        body = _REFUSED_CLIENT if client_api else _REFUSED
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(_REFUSED)).encode())]})
-        await send({"type": "http.response.body", "body": _REFUSED})
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class InfoRoute:

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ascendserve.config import Config, ConfigError, redact_args
+from ascendserve.discovery.etcd import EtcdSettings
 from ascendserve.engine.host_defaults import engine_dtype, memory_args, process_env
 from ascendserve.engine.kv_args import kv_env, kv_transfer_config
 from ascendserve.engine.kv_events import events_args, events_env
 from ascendserve.engine.startup_stop import StartupInterrupted, _StartupStop
 from ascendserve.logging import get_logger, vllm_dictconfig
+from ascendserve.security import is_loopback
 
 # Settings the role owns; passing them through would silently change the role.
 OWNED = {
@@ -113,6 +115,8 @@ def role_args(config: Config) -> list[str]:
         settings = {"sources": config.netloader.sources, "fallback": config.netloader.fallback,
                     "timeout_s": config.netloader.timeout_s, "metaserver_url": config.cluster.metaserver_url,
                     "tls_ca": config.cluster.tls_ca}
+        if config.registry.backend == "etcd":  # seeds found in etcd; its password from the environment
+            settings["etcd"] = EtcdSettings.from_config(config).to_dict()
         args += ["--load-format", "netloader", "--model-loader-extra-config", _json({"netloader": settings})]
     if role in ("prefill", "pd") and config.ec.enabled:
         # Cross-process EC reuse needs the in-process processor cache off,
@@ -252,6 +256,7 @@ def prepare_environment(config: Config) -> dict[str, str]:
         # Connectors in vLLM's worker processes read the token from here, not
         # from the engine config, which vLLM logs.
         "ASCENDSERVE_CLUSTER_TOKEN": config.cluster.token,
+        **({"ASCENDSERVE_REGISTRY_PASSWORD": config.registry.password} if config.registry.password else {}),
         **kv_env(config),
         **events_env(config, passthrough_args(config)),
         **process_env(),
@@ -264,7 +269,9 @@ def serve(config: Config) -> int:
     argv = build_argv(config)
     env = prepare_environment(config)
     os.environ.update(env)
-    log.info("starting vLLM", vllm_args=redact_args(argv))
+    guarded = bool(config.cluster.token) and not is_loopback(config.server.host)
+    log.info("starting vLLM", vllm_args=redact_args(argv),
+             client_api="cluster token or API key (bound off loopback)" if guarded else "open")
     held = _hold_ec_region(config)
     seed = SeedThread(config).start() if config.netloader.serve else None
     from ascendserve.engine.patches.worker_fork import hold_threads
@@ -443,17 +450,16 @@ def _run_vllm(argv: list[str], stop: "_StartupStop") -> int:
 
     media_errors.install()
     import uvloop
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="ascendserve (vLLM engine)"))
-    args = parser.parse_args(argv)
+    args = parse_vllm_args(argv)
     configure_logging_from_args(args)
     try:
         validate_parsed_serve_args(args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"vLLM rejected the engine arguments: {exc}") from None
+    os.environ.update(guard_env(args))  # read by our middleware when vLLM's app serves its first request
     asked: list[int] = []
     try:
         # uvicorn's graceful shutdown waits for every open connection with no deadline: a client that
@@ -486,15 +492,33 @@ async def _run_server(args, stop: _StartupStop, **uvicorn_kwargs) -> None:
     await run_server_worker(listen_address, sock, args, **uvicorn_kwargs)
 
 
-def vllm_http_app(argv: list[str]):
-    """vLLM's HTTP app (routes and `--middleware`) for these arguments, without an engine:
-    for tests of what the server exposes."""
-    from vllm.entrypoints.launchers.app import build_app
+def parse_vllm_args(argv: list[str]):
+    """vLLM's serve arguments, parsed by vLLM's own parser."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    args = make_arg_parser(FlexibleArgumentParser(prog="ascendserve (vLLM engine)")).parse_args(argv)
-    return build_app(args, supported_tasks=("generate",))
+    return make_arg_parser(FlexibleArgumentParser(prog="ascendserve (vLLM engine)")).parse_args(argv)
+
+
+def guard_env(args) -> dict[str, str]:
+    """What engine/middleware.ClusterGuard learns from vLLM's parsed arguments: the address vLLM
+    binds (off loopback, its client API wants the cluster token or an API key) and the API keys
+    vLLM itself accepts, read the way vLLM reads them (`--api-key`, else `VLLM_API_KEY`)."""
+    from vllm import envs
+
+    from ascendserve.engine.middleware import API_KEYS_ENV, HOST_ENV
+
+    keys = [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
+    return {HOST_ENV: args.host or "", API_KEYS_ENV: json.dumps(keys)}
+
+
+def vllm_http_app(argv: list[str]):
+    """vLLM's HTTP app (routes and `--middleware`) for these arguments, without an engine:
+    for tests of what the server exposes (the middleware reads guard_env's variables from the
+    environment when the app serves its first request: a test sets them)."""
+    from vllm.entrypoints.launchers.app import build_app
+
+    return build_app(parse_vllm_args(argv), supported_tasks=("generate",))
 
 
 def _stop_recording_loop(base: type, asked: list[int]) -> type:

@@ -59,7 +59,21 @@ def registry_seeds(metaserver_url: str, token: str, config_sha256: str, timeout_
                                  headers={"authorization": f"Bearer {token}"} if token else {})
     with urllib.request.urlopen(req, timeout=timeout_s, context=client_context(tls_ca)) as r:
         view = json.loads(r.read())
-    found = [i for i in view.get("instances", []) if i.get("seed") and i.get("seed_model") == config_sha256]
+    return seeds_of(view.get("instances", []), config_sha256)
+
+
+def etcd_seeds(settings: dict, password: str, config_sha256: str, timeout_s: float) -> list[str]:
+    """Seeds of this model registered in etcd: dedicated elastic-servers first."""
+    from ascendserve.discovery import etcd
+
+    fields = {k: v for k, v in settings.items() if k in etcd.EtcdSettings.__dataclass_fields__}
+    found = etcd.instances(etcd.EtcdSettings(**{**fields, "endpoints": tuple(settings.get("endpoints", ())),
+                                                "password": password}), timeout_s)
+    return seeds_of(found, config_sha256)
+
+
+def seeds_of(instances: list, config_sha256: str) -> list[str]:
+    found = [i for i in instances if isinstance(i, dict) and i.get("seed") and i.get("seed_model") == config_sha256]
     found.sort(key=lambda i: (i.get("role") != "elastic-server", i.get("load", {}).get("running", 0)))
     return [i["seed"] for i in found]
 
@@ -105,7 +119,18 @@ class NetLoader(DefaultModelLoader):
     def _sources(self, config_sha256: str, token: str) -> list[str]:
         sources = list(self.settings.get("sources") or [])
         timeout_s = float(self.settings.get("timeout_s", 30.0))
-        if sources == ["auto"]:
+        if sources == ["auto"] and self.settings.get("etcd"):
+            from ascendserve.config import environ
+            from ascendserve.discovery.etcd import EtcdError
+
+            try:
+                sources = etcd_seeds(self.settings["etcd"], environ().get("ASCENDSERVE_REGISTRY_PASSWORD", ""),
+                                     config_sha256, timeout_s)
+            except (EtcdError, OSError, ValueError, TypeError) as exc:
+                raise NetLoadError(f"etcd unreachable for seed discovery: {exc}") from None
+            if not sources:
+                raise NetLoadError(f"etcd knows no seed of this model (config {config_sha256[:12]})")
+        elif sources == ["auto"]:
             url = self.settings.get("metaserver_url", "")
             if not url:
                 raise NetLoadError("netloader sources = ['auto'] needs a metaserver (cluster.metaserver_url)")

@@ -24,7 +24,8 @@ from litestar.response import Stream
 from ascendserve.config import Config, ConfigError, instance_url
 from ascendserve.protocol.openai import APIError, error_body, parse
 from ascendserve.protocol.wire import decode_json
-from ascendserve.router.discovery import RegistryWatch
+from ascendserve.discovery.etcd import EtcdSettings
+from ascendserve.router.discovery import EtcdWatch, MetaserverWatch
 from ascendserve.router.health import HealthMonitor
 from ascendserve.router.kv_index import KVEvents, follow_states, reachable, sync
 from ascendserve.router.kv_route import KVRouter
@@ -93,8 +94,8 @@ def _readiness(state: State) -> Readiness:
     instance? Encoders are optional unless the proxy may not fall back to local encoding."""
     ready = state.pools.readiness(encoders_required=state.settings.encoder_fallback == "fail")
     watch = state.watch
-    if not ready.ok and watch is not None and not getattr(watch, "_reachable", True):
-        ready.missing.append(f"metaserver {watch.url} unreachable")
+    if not ready.ok and watch is not None and not watch.reachable:
+        ready.missing.append(f"{watch.where} unreachable")
     return ready
 
 
@@ -182,9 +183,9 @@ async def _fan_out(state: State, path: str) -> Response:
 
     async def one(url: str):
         try:
-            # engines guard their admin routes with the cluster token (engine/middleware.ClusterGuard);
-            # Authorization stays the backend API key
-            status, _ = await state.upstream.post(url + path, 30.0, headers=state.cluster_headers)
+            # engines guard their admin routes with the cluster token (engine/middleware.ClusterGuard):
+            # every request to an engine carries it (backend_credentials)
+            status, _ = await state.upstream.post(url + path, 30.0)
             return url, status
         except UpstreamError:
             return url, None
@@ -210,13 +211,23 @@ async def reset_prefix_cache(state: State) -> Response:
     return await _fan_out(state, "/reset_prefix_cache")
 
 
+def backend_credentials(config: Config) -> dict[str, str]:
+    """Headers of every request to an engine: the cluster token, which an engine bound off loopback
+    wants on its client API too (engine/middleware.ClusterGuard) and every engine on its admin
+    routes, and the backend API key (vLLM's own --api-key) as Authorization."""
+    headers = {"x-cluster-token": config.cluster.token} if config.cluster.token else {}
+    if config.proxy.backend_api_key:
+        headers["authorization"] = f"Bearer {config.proxy.backend_api_key}"
+    return headers
+
+
 def create_app(config: Config) -> Litestar:
     settings = config.proxy
     pools = Pools()
     for role in ROLES:
         for url in getattr(settings, role):
             pools[role].add(url, source="static")
-    backend_headers = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else {}
+    backend_headers = backend_credentials(config)
     upstream = Upstream(settings.request_timeout_s, settings.connect_timeout_s, backend_headers,
                         client_context(config.cluster.tls_ca))
     metrics_ = ProxyMetrics(pools)
@@ -227,14 +238,19 @@ def create_app(config: Config) -> Litestar:
         metrics_.watch_kv(events)
     health_ = HealthMonitor(pools, upstream, settings, *((follow_states(events), lambda: sync(events, pools))
                                                          if events is not None else ()))
+    watch = None
+    static = [config.cluster.metaserver_url.rstrip("/")] if config.cluster.metaserver_url else []
+    if config.registry.backend == "etcd":
+        watch = EtcdWatch(pools, health_, EtcdSettings.from_config(config), settings.health_timeout_s)
+    elif config.cluster.metaserver_url:
+        watch = MetaserverWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,
+                                settings.registry_poll_s, settings.health_timeout_s,
+                                2 * config.metaserver.heartbeat_timeout_s)
     pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
                         config.cluster.metaserver_url, config.cluster.token,
                         ECLookup.from_config(config.ec, settings.mm_hash_algorithm), health_.suspect,
-                        health_.wake, kv_router)
-    watch = None
-    if config.cluster.metaserver_url:
-        watch = RegistryWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,
-                              settings.registry_poll_s, settings.health_timeout_s)
+                        health_.wake, kv_router,
+                        metaservers=(lambda: watch.metaservers or static) if config.registry.backend == "etcd" else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar):
@@ -255,8 +271,7 @@ def create_app(config: Config) -> Litestar:
                 pipeline.ec_lookup.close()
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
-                   "upstream": upstream, "watch": watch, "settings": settings,
-                   "cluster_headers": {"x-cluster-token": config.cluster.token} if config.cluster.token else {}})
+                   "upstream": upstream, "watch": watch, "settings": settings})
     client = Router(path="/", route_handlers=[chat, completions, models],
                     guards=[bearer_guard(settings.api_keys, "API key")])
     admin = Router(path="/", route_handlers=[instances_add, instances_remove, instances_list, start_profile,

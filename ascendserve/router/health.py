@@ -4,6 +4,7 @@
     active   --eject_after failures (periodic /health or failed request hops)-->  ejected
              (the last active one of its role: only by a failed /health check, run at once)
     ejected  --GET /health 200-->  active
+    suspect  (left the registry) --GET /health 200-->  active: slow, not dead
 An instance added through the admin API that never answers its probes is
 dropped after `eject_after` tries, like vllm-ascend's waiting list.
 """
@@ -11,6 +12,7 @@ dropped after `eject_after` tries, like vllm-ascend's waiting list.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import structlog
@@ -19,7 +21,7 @@ from ascendserve.config import ProxyConfig
 from ascendserve.protocol.kv_connectors import KVInfo
 from ascendserve.protocol.kv_events import CacheInfo
 from ascendserve.protocol.wire import decode_json
-from ascendserve.router.pools import ACTIVE, DRAINING, EJECTED, PROBING, Instance, Pools
+from ascendserve.router.pools import ACTIVE, DRAINING, EJECTED, PROBING, SUSPECT, Instance, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
 
 log = structlog.get_logger("ascendserve.router.health")
@@ -84,8 +86,11 @@ class HealthMonitor:
         if ok:
             inst.failures = 0
             inst.last_error = ""
+            inst.last_ok = time.monotonic()
             if inst.state in (PROBING, EJECTED):
                 self._set(inst, ACTIVE, "admitted")
+            elif inst.state == SUSPECT:
+                self._set(inst, ACTIVE, "answers though its registration lapsed; routed to again")
             return
         inst.failures += 1
         if inst.state == ACTIVE and inst.failures >= self.settings.eject_after:

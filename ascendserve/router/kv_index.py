@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ascendserve.protocol.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, CacheInfo, \
     EventBatch, decode_batch
 from ascendserve.router.block_hash import event_key
-from ascendserve.router.pools import ACTIVE, EJECTED
+from ascendserve.router.pools import ACTIVE, EJECTED, SUSPECT
 
 ROUTED_ROLES = ("pd", "prefill")
 
@@ -355,7 +355,7 @@ def sync(events: KVEvents, pools) -> None:
     live = {}
     for role in ROUTED_ROLES:
         for inst in pools[role].instances.values():
-            if inst.state in (ACTIVE, EJECTED) and inst.cache is not None:
+            if inst.state in (ACTIVE, EJECTED, SUSPECT) and inst.cache is not None:
                 live[inst.url] = inst
     for url in list(events.indexes):
         if url not in live:

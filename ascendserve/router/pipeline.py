@@ -103,14 +103,18 @@ class Pipeline:
     def __init__(self, pools: Pools, upstream: Upstream, settings: ProxyConfig, metrics: ProxyMetrics,
                  on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = "",
                  ec_lookup: ECLookup | None = None, on_stall: Callable[[Instance], None] | None = None,
-                 check_now: Callable[[], None] | None = None, kv_router: KVRouter | None = None):
+                 check_now: Callable[[], None] | None = None, kv_router: KVRouter | None = None,
+                 metaservers: Callable[[], list[str]] | None = None):
         self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
         self.ec_lookup = ec_lookup
         self._roots_warned = False
         self.on_unreachable = on_unreachable
         self.on_stall = on_stall or on_unreachable
         self.check_now = check_now or (lambda: None)
-        self.metaserver_url = metaserver_url.rstrip("/")
+        url = metaserver_url.rstrip("/")
+        # push mode: the metaservers to ask, in order (the registry's, or cluster.metaserver_url)
+        self.metaservers = metaservers or (lambda: [url] if url else [])
+        self._next_metaserver = 0
         self.metaserver_headers = {"authorization": f"Bearer {cluster_token}"} if cluster_token else {}
         self.cluster_token = cluster_token
         self._frees: set[asyncio.Future] = set()
@@ -138,7 +142,7 @@ class Pipeline:
                 tokens = plan.prompt_tokens
         if disaggregated:
             pair = self._pair()
-            if pair.flow == "push" and not self.metaserver_url:
+            if pair.flow == "push" and not self.metaservers():
                 raise APIError(503, f"prefill and decode run a push connector ({pair.connector or self.settings.mode}): "
                                "the proxy needs --metaserver-url", type="service_unavailable", code="no_metaserver")
             if pair.flow == "push":
@@ -358,19 +362,37 @@ class Pipeline:
         if inst is None:
             raise APIError(503, "no active prefill instance", type="service_unavailable", code="no_instance")
         hold = pool.lease(inst, tokens, kv=tokens)
+        expect = {"request_id": request_id, "path": PATHS[kind], "body": body, "prefill_url": inst.url,
+                  "engine_request_ids": kv_params.engine_request_ids(kind, request_id, body)}
         try:
-            answer = await self.upstream.post_json(self.metaserver_url + "/v1/metaserver/expect", {
-                "request_id": request_id, "path": PATHS[kind], "body": body, "prefill_url": inst.url,
-                "engine_request_ids": kv_params.engine_request_ids(kind, request_id, body),
-            }, {**headers, **self.metaserver_headers})
+            metaserver, answer = await self._expect(expect, headers)
         except UpstreamError as exc:
             hold.release(ok=False)
             raise APIError(502, f"metaserver unavailable for push mode: {exc.detail[:200]}",
                            type="service_unavailable", code="metaserver_unavailable") from None
-        callback = f"{self.metaserver_url}/v1/metaserver?ticket={answer['ticket']}"
+        # the ticket lives in the metaserver that issued it: D calls that one
+        callback = f"{metaserver}/v1/metaserver?ticket={answer['ticket']}"
         d_body = dict(body, kv_transfer_params=kv_params.push_decode_params(callback))
         d_body.pop("ec_transfer_params", None)  # for P (through the metaserver), not D
         return await self._decode_holding(kind, d_body, headers, tokens, hold, pair, plan)
+
+    async def _expect(self, expect: dict, headers: dict) -> tuple[str, dict]:
+        """Announce a push request to a metaserver, the next one after a failure to reach one (they
+        take turns, so each holds a share of the tickets); refusals (4xx) are final."""
+        urls = self.metaservers()
+        if not urls:
+            raise UpstreamError("metaserver", None, "no metaserver registered")
+        start = self._next_metaserver = (self._next_metaserver + 1) % len(urls)
+        error = None
+        for url in urls[start:] + urls[:start]:
+            try:
+                return url, await self.upstream.post_json(url + "/v1/metaserver/expect", expect,
+                                                          {**headers, **self.metaserver_headers})
+            except UpstreamError as exc:
+                if exc.client_error:
+                    raise
+                error = exc
+        raise error
 
     # ---- decode ------------------------------------------------------------
     async def _decode(self, kind: str, role: str, body: dict, headers: dict, tokens: int,

@@ -7,8 +7,11 @@ the top. Counters are held by a `Lease` that releases exactly once, whatever
 path the request takes (success, error, client cancellation).
 
 Instance states: probing (added, not yet answering) -> active <-> ejected
-(health) ; any -> draining (removed or tainted: no new requests, dropped
-once its own in-flight requests finish).
+(health) ; active -> suspect (it left the registry: a lease expired, a heartbeat
+was late) -> active again when it answers a request or a health check, or ->
+draining once it stayed silent; any -> draining (removed or tainted: no new
+requests, dropped once its own in-flight requests finish). A suspect instance is
+chosen only while its role has no active one: slow is not dead.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from dataclasses import dataclass, field
 from ascendserve.protocol.kv_connectors import KVInfo
 from ascendserve.protocol.kv_events import CacheInfo
 
-PROBING, ACTIVE, EJECTED, DRAINING = "probing", "active", "ejected", "draining"
+PROBING, ACTIVE, EJECTED, DRAINING, SUSPECT = "probing", "active", "ejected", "draining", "suspect"
 ROLES = ("encoder", "prefill", "decode", "pd")
 KV_WEIGHT = 0.3  # prefill priority = active tokens + 0.3 x KV blocks held for D
+DEFAULT_REQUEST_TOKENS = 256.0  # what a request of another proxy weighs before this one has seen any
 
 
 @dataclass(eq=False)
@@ -42,22 +46,24 @@ class Instance:
     active_requests: int = 0
     active_tokens: int = 0
     active_kv: int = 0
+    others: int = 0  # requests the engine reports beyond this proxy's own (other proxies' traffic)
+    request_tokens: float = DEFAULT_REQUEST_TOKENS  # mean tokens of this proxy's requests to it
     failures: int = 0
     version: int = 0
     served: int = 0
-    last_ok: float = field(default_factory=time.monotonic)
+    last_ok: float = field(default_factory=time.monotonic)  # its last answer: a request or a health check
+    missing_since: float | None = None  # source registry: when it left the registry (None: registered)
 
     @property
     def priority(self) -> float:
-        if self.role == "prefill":
-            return self.active_tokens + KV_WEIGHT * self.active_kv
-        return float(self.active_tokens)
+        own = self.active_tokens + KV_WEIGHT * self.active_kv if self.role == "prefill" else self.active_tokens
+        return own + self.others * self.request_tokens
 
     def summary(self) -> dict:
         return {"url": self.url, "role": self.role, "state": self.state, "source": self.source,
                 "instance_id": self.instance_id, "models": list(self.models),
                 "active_requests": self.active_requests, "active_tokens": self.active_tokens,
-                "active_kv": self.active_kv, "failures": self.failures, "served": self.served,
+                "active_kv": self.active_kv, "others": self.others, "failures": self.failures, "served": self.served,
                 "last_error": self.last_error, "kv_connector": self.kv.connector if self.kv else ""}
 
     @property
@@ -75,6 +81,7 @@ class Lease:
         self._released = False
         instance.active_requests += 1
         instance.active_tokens += tokens
+        instance.request_tokens += (tokens - instance.request_tokens) / 16
         instance.active_kv += kv
         pool.touch(instance)
 
@@ -92,6 +99,7 @@ class Lease:
         inst.active_kv -= self.kv
         if ok:
             inst.served += 1
+            inst.last_ok = time.monotonic()
         self.pool.touch(inst)
         if inst.state == DRAINING and inst.active_requests == 0:
             self.pool.forget(inst.url)
@@ -108,7 +116,9 @@ class Pool:
         return len(self.instances)
 
     def active(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.state == ACTIVE]
+        """The active instances; while there are none, the suspect ones (a last resort)."""
+        active = [i for i in self.instances.values() if i.state == ACTIVE]
+        return active or [i for i in self.instances.values() if i.state == SUSPECT]
 
     def add(self, url: str, source: str = "static", instance_id: str = "") -> Instance:
         existing = self.instances.get(url)
@@ -155,6 +165,9 @@ class Pool:
             break
         for entry in skipped:
             heapq.heappush(self._heap, entry)
+        if chosen is None and not any(i.state == ACTIVE for i in self.instances.values()):
+            suspects = [i for i in self.instances.values() if i.state == SUSPECT and i.url not in exclude]
+            chosen = min(suspects, key=lambda i: i.priority, default=None)
         return chosen
 
     def lease(self, inst: Instance, tokens: int, kv: int = 0) -> Lease:
@@ -194,7 +207,8 @@ class Pools:
         return None
 
     def has_active(self, role: str) -> bool:
-        return any(i.state == ACTIVE for i in self.by_role[role].instances.values())
+        """Whether `role` can be routed to: an active instance, or a suspect one as a last resort."""
+        return any(i.state in (ACTIVE, SUSPECT) for i in self.by_role[role].instances.values())
 
     def model_root(self, roles: tuple[str, ...]) -> str:
         """The model path served by the first active instance of these roles (in this order)."""
@@ -252,7 +266,7 @@ class Pools:
     def role_report(self, role: str) -> dict:
         insts = list(self.by_role[role].instances.values())
         report = {"healthy": sum(i.state == ACTIVE for i in insts), "total": len(insts)}
-        for state in (PROBING, EJECTED, DRAINING):
+        for state in (PROBING, EJECTED, DRAINING, SUSPECT):
             if n := sum(i.state == state for i in insts):
                 report[state] = n
         errors = [i.last_error for i in insts if i.last_error and i.state != ACTIVE]
@@ -263,9 +277,11 @@ class Pools:
     def role_problem(self, role: str) -> str:
         """Why `role` has no active instance, in words: counts by state and the last error seen."""
         insts = list(self.by_role[role].instances.values())
-        words = {PROBING: "not answering yet", EJECTED: "ejected", DRAINING: "draining"}
+        words = {PROBING: "not answering yet", EJECTED: "ejected", DRAINING: "draining",
+                 SUSPECT: "suspect (left the registry)"}
         parts = [f"{len(insts)} registered"]
-        parts += [f"{n} {words[s]}" for s in (PROBING, EJECTED, DRAINING) if (n := sum(i.state == s for i in insts))]
+        parts += [f"{n} {words[s]}" for s in (PROBING, EJECTED, DRAINING, SUSPECT)
+                  if (n := sum(i.state == s for i in insts))]
         errors = [i.last_error for i in insts if i.last_error]
         return ", ".join(parts) + (f" (last error: {errors[-1][:300]})" if errors else "")
 

@@ -326,7 +326,7 @@ def _wait_https(url: str, context: ssl.SSLContext, proc: Proc, timeout: float = 
 
 
 def test_tls_round_trip_with_a_self_signed_certificate(tmp_path_factory):
-    from ascendserve.discovery.heartbeat import Heartbeat
+    from ascendserve.discovery.heartbeat import Heartbeat, MetaserverRegistrar
 
     logs = tmp_path_factory.mktemp("tls-logs")
     LOG_DIRS.append(logs)
@@ -347,8 +347,8 @@ def test_tls_round_trip_with_a_self_signed_certificate(tmp_path_factory):
         _wait_https(meta_url + "/health", context, meta)
         pd.wait_ready()
         # an engine's heartbeat, verifying the metaserver with the CA file
-        heartbeat = Heartbeat(meta_url, TOKEN, "tls-pd", "pd", pd.url, pd.url, "stub-model", 0.5,
-                              tls_ca=str(cert)).start()
+        heartbeat = Heartbeat(MetaserverRegistrar(meta_url, TOKEN, tls_ca=str(cert)), "tls-pd", "pd", pd.url,
+                              pd.url, "stub-model", 0.5).start()
         proxy_url = f"https://127.0.0.1:{proxy.port}"
         _wait_https(proxy_url + "/healthcheck", context, proxy)
         with client(verify=context) as http:
