@@ -136,14 +136,16 @@ def _matches(credential: str, accepted: list[bytes]) -> bool:
 class ClusterGuard:
     """Refuses vLLM's admin routes without the cluster token (ASCENDSERVE_CLUSTER_TOKEN, set by
     the role for vLLM's processes), and its client API too when vLLM is bound off loopback
-    (ASCENDSERVE_ENGINE_HOST; unset counts as off loopback), unless an API key vLLM accepts
-    (ASCENDSERVE_ENGINE_API_KEYS) is presented instead. Passes everything when there is no token:
-    nothing to check against (security.security_warnings warns of an engine open off loopback)."""
+    (ASCENDSERVE_ENGINE_HOST, set by engine/vllm_server.guard_env; without it, and without `host`,
+    the guard takes the bind for a loopback one, as the test stubs' is), unless an API key vLLM
+    accepts (ASCENDSERVE_ENGINE_API_KEYS) is presented instead. Passes everything when there is
+    no token: nothing to check against (security.security_warnings warns of an engine open off
+    loopback)."""
 
     def __init__(self, app, token: str | None = None, host: str | None = None, api_keys: list[str] | None = None):
         self.app = app
         self.token = (os.environ.get("ASCENDSERVE_CLUSTER_TOKEN", "") if token is None else token).encode()
-        host = os.environ.get(HOST_ENV, "") if host is None else host
+        host = os.environ.get(HOST_ENV, "127.0.0.1") if host is None else host
         self.client_api_open = not self.token or is_loopback(host)
         if api_keys is None:
             api_keys = json.loads(os.environ.get(API_KEYS_ENV) or "[]")

@@ -86,8 +86,15 @@ def test_internal_ports_off_loopback_need_a_token(model_dir):
         for loopback in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
             local = load(role, None, {**wide, **extra, "server__host": loopback}, env={})
             assert any("not set" in w for w in security_warnings(local))
-    # nothing of ours listens: vLLM with the example connector, pd
-    assert load("pd", None, wide, env={}).server.host == "0.0.0.0"
+    # nothing of ours listens: vLLM with the example connector, pd; they start, with a warning that their
+    # HTTP routes are open to the network (with a token, the client API would take it: engine/middleware)
+    for role in ("pd", "prefill", "encoder"):
+        opened = load(role, None, wide, env={})
+        assert opened.server.host == "0.0.0.0"
+        assert any(w.startswith("UNAUTHENTICATED: this engine serves its client API")
+                   for w in security_warnings(opened))
+        for quiet in ({"cluster__token": "s" * 32}, {"server__host": "127.0.0.1"}):
+            assert not any("client API" in w for w in security_warnings(load(role, None, {**wide, **quiet}, env={})))
     assert load("prefill", None, wide, env={}).kv.connector == "example"
 
 
