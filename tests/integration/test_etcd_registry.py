@@ -1,0 +1,231 @@
+"""The registry on a real 3-member etcd (127.0.0.1), two proxies sharing the instances.
+
+Engines are stubs (tests/stub_backend.py) registering in etcd exactly as the engine roles do
+(discovery/heartbeat.EtcdRegistrar); proxies and metaservers are the real roles. What is under
+test is discovery and its failures: an etcd member, a proxy, an engine, a metaserver SIGKILLed
+under a steady stream of requests.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.etcd_cluster import EtcdCluster, registry_flags, stub_flags
+from tests.procs import Proc, control, start_all, stub, wait_for
+
+pytestmark = pytest.mark.integration
+TOKEN = "cluster-secret-etcd"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+TTL = 3
+
+
+def proxy_conf(path) -> str:
+    conf = path / "proxy.toml"
+    conf.write_text("[proxy]\nhealth_interval_s = 0.5\neject_after = 2\nretry_backoff_s = 0.02\n")
+    return str(conf)
+
+
+def stats(proc: Proc) -> dict:
+    return httpx.get(proc.url + "/stub/stats", timeout=5).json()
+
+
+def states(proxy: Proc) -> dict[str, str]:
+    listed = httpx.get(proxy.url + "/instances", headers=ADMIN, timeout=5).json()["instances"]
+    return {i["url"]: i["state"] for i in listed}
+
+
+def complete(proxy: Proc, i: int = 0, stream: bool = False, timeout: float = 30) -> httpx.Response:
+    if i % 2:
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 3}
+        return httpx.post(proxy.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=timeout)
+    return httpx.post(proxy.url + "/v1/completions", json={"model": "stub-model", "prompt": f"p {i}",
+                                                           "max_tokens": 3, "stream": stream}, timeout=timeout)
+
+
+class Stream:
+    """A steady stream of requests through some proxies, one thread each, until stopped."""
+
+    def __init__(self, *proxies: Proc):
+        self.proxies = list(proxies)
+        self.ok = {p.name: 0 for p in proxies}
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in proxies]
+
+    def __enter__(self) -> "Stream":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def _run(self, proxy: Proc) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            try:
+                r = complete(proxy, i, stream=i % 3 == 0)
+                if r.status_code == 200 and ("[DONE]" in r.text or '"choices"' in r.text):
+                    self.ok[proxy.name] += 1
+                else:
+                    self.failed.append(f"{proxy.name}: {r.status_code} {r.text[:200]}")
+            except httpx.HTTPError as exc:
+                self.failed.append(f"{proxy.name}: {exc!r}")
+            time.sleep(0.02)
+
+    def settle(self, n: int = 10) -> None:
+        """Wait until every proxy of the stream served n more requests."""
+        before = dict(self.ok)
+        wait_for(lambda: all(self.ok[k] >= before[k] + n for k in before), 30, f"{n} more requests each")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
+    yield cluster
+    cluster.stop()
+
+
+def test_etcd_member_killed_under_traffic_then_a_new_instance_reaches_both_proxies(etcd, tmp_path):
+    """3 etcd members, 2 proxies, 1P1D under a steady stream through both: SIGKILL one member
+    (the first endpoint, the one everybody talks to) -> 0 failed requests, and an instance
+    started afterwards is routed to by both proxies."""
+    conf = proxy_conf(tmp_path)
+    p = stub("prefill", tmp_path, *stub_flags(etcd, TTL, "member"))
+    d1 = stub("decode", tmp_path, "--require-kv", *stub_flags(etcd, TTL, "member"))
+    proxies = [control("proxy", tmp_path, "--config", conf, "--cluster-token", TOKEN,
+                       *registry_flags(etcd, TTL, "member"), name=f"proxy-{i}") for i in (1, 2)]
+    d2 = stub("decode", tmp_path, "--require-kv", *stub_flags(etcd, TTL, "member"))
+    try:
+        start_all(p, d1, *proxies)
+        for proxy in proxies:
+            wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy ready through etcd")
+        with Stream(*proxies) as stream:
+            stream.settle()
+            etcd.members[0].popen.send_signal(signal.SIGKILL)
+            etcd.members[0].popen.wait(10)
+            stream.settle(20)
+            time.sleep(TTL + 1)  # past a lease TTL: no instance was lost with the member
+            stream.settle(10)
+            assert all(states(proxy) == {p.url: "active", d1.url: "active"} for proxy in proxies)
+            start_all(d2)
+            for proxy in proxies:
+                wait_for(lambda: states(proxy).get(d2.url) == "active", 15, f"{proxy.name} admits the new decode")
+            stream.settle(10)
+        assert not stream.failed, stream.failed[:5]
+        for proxy in proxies:  # each proxy, on its own, sends requests to the newcomer
+            before = stats(d2)["completed"]
+            for i in range(6):
+                assert complete(proxy, i).status_code == 200
+            assert stats(d2)["completed"] > before, f"{proxy.name} never routed to the instance started later"
+    finally:
+        for proc in (*proxies, p, d1, d2):
+            proc.stop()
+        etcd.members[0].start().wait_ready(60)
+
+
+def test_proxy_killed_the_other_is_unaffected_and_the_restarted_one_routes_at_once(etcd, tmp_path):
+    conf = proxy_conf(tmp_path)
+    p = stub("prefill", tmp_path, *stub_flags(etcd, TTL, "proxykill"))
+    d = stub("decode", tmp_path, "--require-kv", *stub_flags(etcd, TTL, "proxykill"))
+    flags = ["--config", conf, "--cluster-token", TOKEN, *registry_flags(etcd, TTL, "proxykill")]
+    a, b = (control("proxy", tmp_path, *flags, name=f"proxy-{x}") for x in "ab")
+    try:
+        start_all(p, d, a, b)
+        for proxy in (a, b):
+            wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy ready through etcd")
+        with Stream(b) as stream:
+            stream.settle()
+            a.popen.send_signal(signal.SIGKILL)
+            a.popen.wait(10)
+            stream.settle(20)
+            a.start()
+            a.wait_ready(30)  # its HTTP server answers
+            up = time.monotonic()
+            wait_for(lambda: complete(a).status_code == 200, 5, "the restarted proxy routes")
+            took = time.monotonic() - up
+            stream.settle(5)
+        assert not stream.failed, stream.failed[:5]
+        assert took < 1.0, f"the restarted proxy routed its first request {took:.2f} s after it started serving"
+    finally:
+        for proc in (a, b, p, d):
+            proc.stop()
+
+
+def test_engine_killed_every_proxy_stops_routing_to_it_within_its_lease(etcd, tmp_path):
+    conf = proxy_conf(tmp_path)
+    flags = stub_flags(etcd, TTL, "enginekill")
+    p = stub("prefill", tmp_path, *flags)
+    d1, d2 = (stub("decode", tmp_path, "--require-kv", *flags) for _ in range(2))
+    proxies = [control("proxy", tmp_path, "--config", conf, "--cluster-token", TOKEN,
+                       *registry_flags(etcd, TTL, "enginekill"), name=f"proxy-{i}") for i in (1, 2)]
+    try:
+        start_all(p, d1, d2, *proxies)
+        for proxy in proxies:
+            wait_for(lambda: states(proxy).get(d2.url) == "active" and states(proxy).get(d1.url) == "active", 30,
+                     "both decodes admitted")
+        with Stream(*proxies) as stream:
+            stream.settle()
+            d2.popen.send_signal(signal.SIGKILL)
+            d2.popen.wait(10)
+            killed = time.monotonic()
+            for proxy in proxies:
+                wait_for(lambda: states(proxy).get(d2.url) not in ("active", "probing"), TTL + 2,
+                         f"{proxy.name} stops routing to the dead decode")
+            assert time.monotonic() - killed <= TTL + 2
+            stream.settle(10)
+        assert not stream.failed, stream.failed[:5]
+    finally:
+        for proc in (*proxies, p, d1, d2):
+            proc.stop()
+
+
+def test_push_mode_with_two_metaservers_one_killed_mid_stream(etcd, tmp_path):
+    """Proxies find the metaservers in etcd; each ticket names the metaserver that issued it. One
+    killed while requests are in flight: those at most fail explicitly, new ones all succeed."""
+    conf = proxy_conf(tmp_path)
+    reg = registry_flags(etcd, TTL, "push")
+    metas = [control("metaserver", tmp_path, "--cluster-token", TOKEN, *reg, name=f"meta-{i}") for i in (1, 2)]
+    p = stub("prefill", tmp_path, *stub_flags(etcd, TTL, "push"))
+    d = stub("decode", tmp_path, "--require-kv", "--token-delay-ms", "20", *stub_flags(etcd, TTL, "push"))
+    proxy = control("proxy", tmp_path, "--config", conf, "--cluster-token", TOKEN, "--mode", "push", *reg)
+    try:
+        start_all(*metas, p, d, proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy ready through etcd")
+        for i in range(6):  # both metaservers announced: requests take turns
+            assert complete(proxy, i).status_code == 200
+        wait_for(lambda: all(httpx.get(m.url + "/metrics").text.count("push_asks_total 0.0") == 0 for m in metas),
+                 10, "both metaservers dispatched a prefill")
+        results: list[int | str] = []
+
+        def one(i: int) -> None:
+            try:
+                r = complete(proxy, i, stream=True)
+                results.append(r.status_code if r.status_code != 200 or "[DONE]" in r.text else "cut")
+            except httpx.HTTPError as exc:
+                results.append(repr(exc))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.1)
+        metas[0].popen.send_signal(signal.SIGKILL)
+        metas[0].popen.wait(10)
+        for t in threads:
+            t.join(60)
+        # in flight: done, or an explicit error status (D could not reach the ticket's metaserver)
+        assert all(r == 200 or (isinstance(r, int) and r >= 400) for r in results), results
+        for i in range(10):
+            r = complete(proxy, i, stream=i % 2 == 0)
+            assert r.status_code == 200, r.text
+    finally:
+        for proc in (proxy, p, d, *metas):
+            proc.stop()
