@@ -104,11 +104,13 @@ stamp_text() {
 apt_packages() {
     # libibverbs1: Mooncake's transfer engine loads it even over TCP.
     # memcached: the EC store backend and its tests.
+    # etcd-server: the etcd registry backend's tests (a 3-member cluster on 127.0.0.1) and `all` on etcd.
     # systemd: systemd-analyze, which verifies the release's units (tests).
     # cmake, ninja-build, g++: the native/ ops.
     local missing=()
     dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
     command -v memcached >/dev/null 2>&1 || missing+=(memcached)
+    command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
     command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
     command -v cmake >/dev/null 2>&1 || missing+=(cmake)
     command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
