@@ -245,7 +245,7 @@ class AllConfig(_Section):
     # a child that exits before its readiness probe ever answered, this many times in a row,
     # is given up and `all` exits non-zero (systemd's start limit); 0: restart for ever
     start_limit: Annotated[int, Meta(ge=0, le=1000)] = 3
-    proxies: Annotated[int, Meta(ge=1, le=16)] = 1  # proxies on server.port, +1, ...
+    proxies: Annotated[int, Meta(ge=1, le=8)] = 1  # proxies on server.port, then + 2, + 3, ... (+ 1: metaserver)
 
 
 class Config(_Section):

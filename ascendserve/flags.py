@@ -129,7 +129,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--decoder-hosts-num", "proxy.decoder_hosts_num", "repeat each decoder host N times", ("proxy",), many=True),
     Flag("--decoder-ports-inc", "proxy.decoder_ports_inc", "N consecutive ports from each decoder port", ("proxy",), many=True),
     Flag("--topology", "all.topology", "1E1P1D | 1P1D | 1E1PD | mono", ("all",)),
-    Flag("--proxies", "all.proxies", "proxies `all` starts, on --port, --port + 1, ... (default 1)", ("all",)),
+    Flag("--proxies", "all.proxies", "proxies `all` starts: on --port, then --port + 2, + 3, ... (default 1; at most 8)", ("all",)),
     Flag("--start-limit", "all.start_limit", "give up (exit 1) on a child that fails to start this many times in a row; 0: never", ("all",)),
 )
 

@@ -61,10 +61,11 @@ ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096
                "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
 
 
-def all_role_port() -> int:
-    """A base port for `--role all`: it binds the port, + 1 (metaserver), + 10.. (engines) and
-    their KV side channels (+ 1000), so a free base port alone is not enough."""
-    return free_port_run(2, offsets=(10, 11, 12, 1010, 1011, 1012))
+def all_role_port(proxies: int = 1, etcd: bool = False) -> int:
+    """A base port for `--role all`: it binds the port, + 1 (metaserver), + 2.. (more proxies), + 10..
+    (engines) and their KV side channels (+ 1000), + 20 and + 21 (its own etcd), so a free base port
+    alone is not enough."""
+    return free_port_run(1 + proxies, offsets=(10, 11, 12, 1010, 1011, 1012, *((20, 21) if etcd else ())))
 
 
 ENGINE_ROLES = {"encoder", "prefill", "decode", "pd", "all"}
@@ -177,10 +178,11 @@ class Proc:
     memory_owner: int | None = None  # whose reservation (None: this process)
     memory_keys: list = field(default_factory=list)
     outlive_parent: bool = False  # a session-wide engine: the session stops it, not its starter's exit
+    host: str = "127.0.0.1"  # where it answers (its --host, when that is another address)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:
