@@ -23,6 +23,7 @@ class EtcdCluster:
     def __init__(self, root: Path, members: int = 3, name: str = "etcd"):
         need_etcd()
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.ports = [(free_port(), free_port()) for _ in range(members)]  # (client, peer)
         names = [f"{name}{i}" for i in range(members)]
         initial = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, self.ports))

@@ -234,3 +234,35 @@ def test_untuned_joiner_serves_user_traffic(text_model, untuned_text_oracle, tmp
     finally:
         joiner.stop()
         seed.stop()
+
+
+def test_auto_joiner_finds_its_seed_through_etcd(text_model, text_oracle, tmp_path):
+    """The registry on etcd: the elastic-server registers its seed there (a key on its lease), a
+    weightless pd joiner with `--netloader-source auto` finds it there, and a proxy on the same etcd
+    routes to the joiner."""
+    from ascendserve.discovery import etcd as registry
+    from tests.etcd_cluster import EtcdCluster, registry_flags
+
+    etcd = EtcdCluster(tmp_path / "etcd", members=1).start()
+    reg = registry_flags(etcd, ttl_s=5, name="netloader")
+    seed = elastic_server(text_model, tmp_path)
+    seed.argv += reg
+    joiner = ascendserve("pd", weightless_copy(text_model, tmp_path / "joiner"), tmp_path,
+                         "--served-model-name", str(text_model), "--netloader-source", "auto", *AUTH, *reg,
+                         name="joiner-etcd")
+    proxy = control("proxy", tmp_path, *AUTH, *reg)
+    try:
+        seed.start().wait_ready()
+        # the seed is in etcd before the joiner looks (it registers once its /health answers)
+        settings = registry.EtcdSettings(tuple(etcd.endpoints), "netloader")
+        wait_for(lambda: any(i.get("seed") == seed.seed for i in registry.instances(settings)), 30,
+                 "the elastic-server registered its seed in etcd")
+        start_all(joiner, proxy)
+        log = joiner.log_text()
+        assert "weights received" in log and "loading the weights from disk instead" not in log
+        wait_for(lambda: httpx.get(proxy.url + "/health", timeout=5).status_code == 200, 60, "proxy routes")
+        check_user_traffic(proxy.url, text_oracle.url, str(text_model), seed=61)
+    finally:
+        for p in (proxy, joiner, seed):
+            p.stop()
+        etcd.stop()
