@@ -267,7 +267,7 @@ def pytest_collection_modifyitems(config, items):
 MODULE_SECONDS = {  # the module's test seconds on one of two workers, fixtures included (CI run of 2026-12-02)
     "tests/integration/test_tarball.py": 738,  # 318 prebuilt (CI); first anyway: a local run builds it
     "tests/integration/test_epd.py": 549,
-    "tests/integration/test_netloader.py": 420,
+    "tests/integration/test_netloader.py": 485,  # + 65 s: the etcd joiner, measured alone 2026-12-05
     "tests/integration/test_kv_mla.py": 396,  # 140 s of it waited for the memory budget
     "tests/integration/test_moe.py": 375,  # 80 s of it waited for the memory budget
     "tests/integration/test_kv_pull.py": 260,
@@ -281,10 +281,11 @@ MODULE_SECONDS = {  # the module's test seconds on one of two workers, fixtures 
     "tests/integration/test_migration_splice.py": 65,  # measured alone, 2026-12-04 (oracle up)
     "tests/integration/test_kv_routing.py": 160,  # measured alone, 2026-12-05 (both oracles up)
     "tests/integration/test_topologies.py": 123,
-    "tests/integration/test_all_role.py": 105,
+    "tests/integration/test_all_role.py": 140,  # + 35 s: all on etcd, measured alone 2026-12-05
     "tests/integration/test_launch.py": 59,
     "tests/integration/test_kv_hetero_tp.py": 42,
     "tests/integration/test_proxy_stubs.py": 35,
+    "tests/integration/test_etcd_registry.py": 25,  # measured alone, 2026-12-05
     "tests/integration/test_pd_role.py": 34,
     "tests/fuzz/test_decoders.py": 31,
     "tests/integration/test_load.py": 27,
