@@ -229,3 +229,32 @@ def test_push_mode_with_two_metaservers_one_killed_mid_stream(etcd, tmp_path):
     finally:
         for proc in (proxy, p, d, *metas):
             proc.stop()
+
+
+def test_slow_is_not_dead_a_frozen_sole_prefill_keeps_its_requests(etcd, tmp_path):
+    """Measured before: under CPU oversubscription the only prefill missed its heartbeat deadline while
+    serving, the registry dropped it and the proxy answered 503 until it registered again. Here the
+    prefill is frozen (SIGSTOP) past its lease TTL, which expires: it is suspect, but the last of its
+    role, so requests still go to it and complete once it runs again; then it is active again."""
+    ttl = 2
+    p = stub("prefill", tmp_path, *stub_flags(etcd, ttl, "slow"))
+    d = stub("decode", tmp_path, "--require-kv", *stub_flags(etcd, ttl, "slow"))
+    # the proxy's default health checks (every 5 s, 3 failures to eject): the registry alone is under test
+    proxy = control("proxy", tmp_path, "--cluster-token", TOKEN, *registry_flags(etcd, ttl, "slow"))
+    try:
+        start_all(p, d, proxy)
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy ready through etcd")
+        with Stream(proxy) as stream:
+            stream.settle(5)
+            p.popen.send_signal(signal.SIGSTOP)
+            try:
+                wait_for(lambda: states(proxy).get(p.url) == "suspect", ttl + 5, "the lapsed lease noticed")
+                time.sleep(1.0)
+            finally:
+                p.popen.send_signal(signal.SIGCONT)
+            wait_for(lambda: states(proxy).get(p.url) == "active", 10, "active again once it answers")
+            stream.settle(5)
+        assert not stream.failed, stream.failed[:5]
+    finally:
+        for proc in (proxy, p, d):
+            proc.stop()
