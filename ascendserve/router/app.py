@@ -37,7 +37,7 @@ from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
 from ascendserve.web.body_limit import body_limit
 from ascendserve.web.errors import EXCEPTION_HANDLERS
-from ascendserve.web.upstream import Upstream, UpstreamError
+from ascendserve.web.upstream import Upstream, UpstreamError, engine_headers
 
 log = structlog.get_logger("ascendserve.proxy")
 ADMIN_TYPES = ("prefill", "decode", "encoder", "pd")
@@ -184,7 +184,7 @@ async def _fan_out(state: State, path: str) -> Response:
     async def one(url: str):
         try:
             # engines guard their admin routes with the cluster token (engine/middleware.ClusterGuard):
-            # every request to an engine carries it (backend_credentials)
+            # every request to an engine carries it (web/upstream.engine_headers)
             status, _ = await state.upstream.post(url + path, 30.0)
             return url, status
         except UpstreamError:
@@ -211,23 +211,13 @@ async def reset_prefix_cache(state: State) -> Response:
     return await _fan_out(state, "/reset_prefix_cache")
 
 
-def backend_credentials(config: Config) -> dict[str, str]:
-    """Headers of every request to an engine: the cluster token, which an engine bound off loopback
-    wants on its client API too (engine/middleware.ClusterGuard) and every engine on its admin
-    routes, and the backend API key (vLLM's own --api-key) as Authorization."""
-    headers = {"x-cluster-token": config.cluster.token} if config.cluster.token else {}
-    if config.proxy.backend_api_key:
-        headers["authorization"] = f"Bearer {config.proxy.backend_api_key}"
-    return headers
-
-
 def create_app(config: Config) -> Litestar:
     settings = config.proxy
     pools = Pools()
     for role in ROLES:
         for url in getattr(settings, role):
             pools[role].add(url, source="static")
-    backend_headers = backend_credentials(config)
+    backend_headers = engine_headers(config.cluster.token, settings.backend_api_key)
     upstream = Upstream(settings.request_timeout_s, settings.connect_timeout_s, backend_headers,
                         client_context(config.cluster.tls_ca))
     metrics_ = ProxyMetrics(pools)

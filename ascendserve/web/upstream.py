@@ -15,6 +15,16 @@ from ascendserve.protocol.wire import decode_json
 KEEPALIVE_S = 4.0
 
 
+def engine_headers(cluster_token: str, backend_api_key: str = "") -> dict[str, str]:
+    """What every request to an engine carries: the cluster token, which an engine wants on its
+    admin routes and, bound off loopback, on its client API too (engine/middleware.ClusterGuard),
+    and the backend API key (vLLM's own --api-key) as Authorization."""
+    headers = {"x-cluster-token": cluster_token} if cluster_token else {}
+    if backend_api_key:
+        headers["authorization"] = f"Bearer {backend_api_key}"
+    return headers
+
+
 class UpstreamError(Exception):
     """A backend hop failed. `status` is None when no HTTP answer came back."""
 

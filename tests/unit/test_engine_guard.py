@@ -23,7 +23,7 @@ from ascendserve.config import load
 from ascendserve.engine.middleware import (API_KEYS_ENV, CLIENT_PATHS, HOST_ENV, PROBE_PATHS, ClusterGuard,
                                            is_client_api, is_open)
 from ascendserve.engine.vllm_server import build_argv, guard_env, parse_vllm_args, vllm_http_app
-from ascendserve.router.app import backend_credentials
+from ascendserve.web.upstream import engine_headers
 
 TOKEN = "engine-guard-test-token-0123456789"
 
@@ -253,10 +253,13 @@ def test_vllms_real_app_off_loopback(tmp_path, monkeypatch):
 
 
 def test_the_proxy_sends_the_token_and_the_backend_key_to_engines():
-    both = load("proxy", None, {"cluster__token": TOKEN}, env={})
-    both.proxy.backend_api_key = KEY  # a file's key ([proxy] backend_api_key), no flag
-    assert backend_credentials(both) == {"x-cluster-token": TOKEN, "authorization": f"Bearer {KEY}"}
-    assert backend_credentials(load("proxy", None, {"cluster__token": TOKEN}, env={})) == {"x-cluster-token": TOKEN}
-    assert backend_credentials(load("proxy", None, {}, env={})) == {}
+    from ascendserve.router.app import create_app
+
+    assert engine_headers(TOKEN, KEY) == {"x-cluster-token": TOKEN, "authorization": f"Bearer {KEY}"}
+    assert engine_headers(TOKEN) == {"x-cluster-token": TOKEN} and engine_headers("") == {}
     guard = ClusterGuard(_ok, token=TOKEN, host="10.231.0.1", api_keys=[KEY])
-    assert _call(guard, "/v1/completions", backend_credentials(both)) == (200, b"served")
+    assert _call(guard, "/v1/completions", engine_headers(TOKEN, KEY)) == (200, b"served")
+    config = load("proxy", None, {"cluster__token": TOKEN}, env={})
+    config.proxy.backend_api_key = KEY  # a file's key ([proxy] backend_api_key), no flag
+    upstream = create_app(config).state.upstream  # every request to an engine goes through it
+    assert upstream._h(None)["x-cluster-token"] == TOKEN and upstream._h(None)["authorization"] == f"Bearer {KEY}"
