@@ -25,6 +25,7 @@ from ascendserve.tls import client_context
 
 log = structlog.get_logger("ascendserve.discovery")
 _GAUGE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
+_KV_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
 
 
 class MetaserverRegistrar:
@@ -157,13 +158,16 @@ class Heartbeat:
             return False
 
     def _load(self) -> dict:
-        """Requests running/waiting, from vLLM's own /metrics."""
+        """Requests running/waiting and the KV cache's usage (rounded: a put per real change), from
+        vLLM's own /metrics."""
         load = {"running": 0, "waiting": 0}
         try:
             with urllib.request.urlopen(self.local_url + "/metrics", timeout=2) as r:
                 text = r.read().decode(errors="replace")
             for kind, value in _GAUGE.findall(text):
                 load[kind] += int(float(value))
+            if usage := _KV_USAGE.findall(text):
+                load["kv_usage"] = round(max(float(u) for u in usage), 2)
         except (urllib.error.URLError, OSError, ValueError):
             pass
         return load

@@ -15,6 +15,7 @@ REGISTERED_ROLES = (*ENGINE_ROLES, "elastic-server")
 class Load(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     running: int = 0
     waiting: int = 0
+    kv_usage: float = 0.0  # vLLM's KV cache usage, 0..1
 
 
 class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -47,6 +47,7 @@ class Instance:
     active_tokens: int = 0
     active_kv: int = 0
     others: int = 0  # requests the engine reports beyond this proxy's own (other proxies' traffic)
+    kv_usage: float = 0.0  # the KV cache usage it reports (0..1; the registry)
     request_tokens: float = DEFAULT_REQUEST_TOKENS  # mean tokens of this proxy's requests to it
     failures: int = 0
     version: int = 0
@@ -63,7 +64,7 @@ class Instance:
         return {"url": self.url, "role": self.role, "state": self.state, "source": self.source,
                 "instance_id": self.instance_id, "models": list(self.models),
                 "active_requests": self.active_requests, "active_tokens": self.active_tokens,
-                "active_kv": self.active_kv, "others": self.others, "failures": self.failures, "served": self.served,
+                "active_kv": self.active_kv, "others": self.others, "kv_usage": self.kv_usage, "failures": self.failures, "served": self.served,
                 "last_error": self.last_error, "kv_connector": self.kv.connector if self.kv else ""}
 
     @property
