@@ -49,6 +49,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-connections", "server.max_connections", "HTTP connections served at once; more wait (default 8192)", ("proxy", "metaserver", "elastic-server")),
     Flag("--max-body-mb", "proxy.max_body_mb", "largest request body in MiB; larger gets 413 (default 32)", ("proxy", "metaserver")),
     Flag("--metaserver-url", "cluster.metaserver_url", "metaserver to register with"),
+    Flag("--advertise-host", "cluster.advertise_host", "address peers use to reach this instance (default: --host, or this host's name when bound to a wildcard address)"),
     Flag("--registry-backend", "registry.backend", "where instances are found: metaserver (default) | etcd"),
     Flag("--registry-endpoints", "registry.endpoints", "etcd client URLs http(s)://host:2379 (backend etcd)", many=True),
     Flag("--registry-cluster", "registry.cluster", "cluster name: keys under /ascendserve/<cluster>/ (default default)"),

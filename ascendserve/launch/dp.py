@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default: engine.data_parallel_size of --config)")
     p.add_argument("--dp-size-local", type=int, help="ranks on this node (default: the rest from --dp-rank-start)")
     p.add_argument("--dp-rank-start", type=int, help="global rank of this node's first rank (default 0)")
+    p.add_argument("--node-rank", type=int, help="this node's index (env ASCENDSERVE_NODE_RANK; on Kubernetes the "
+                   "pod ordinal): --dp-rank-start = node rank x --dp-size-local")
     p.add_argument("--dp-address", help="DP master address (rank 0's node; MoE only; default 127.0.0.1)")
     p.add_argument("--dp-rpc-port", type=int, help="DP master RPC port (MoE only; default 13345)")
     p.add_argument("--engine-port", type=int, default=8100, help="HTTP port of local rank 0; rank i: + i")
@@ -141,6 +143,12 @@ def rank_children(args, passthrough: list[str], cli: list[str], env: dict[str, s
 def _check(args) -> str | None:
     if args.dp_size is None:
         return "--dp-size (or engine.data_parallel_size in --config) is required"
+    if args.node_rank is not None:
+        if args.node_rank < 0:
+            return "--node-rank (ASCENDSERVE_NODE_RANK) must be an integer >= 0"
+        if args.dp_size_local is None or args.dp_rank_start != args.node_rank * args.dp_size_local:
+            return (f"--node-rank {args.node_rank} needs --dp-size-local, and gives --dp-rank-start = node rank x "
+                    "local ranks: do not set a different --dp-rank-start")
     local = args.dp_size_local
     if args.dp_size < 1 or local < 1 or args.tp_size < 1:
         return "--dp-size, --dp-size-local and --tp-size must be >= 1"
@@ -164,13 +172,21 @@ def _role_config(args, env: dict[str, str]):
     return load(args.role, args.config, flags, env)
 
 
-def resolve(args, config) -> None:
-    """Launcher flags left out: from the config's [engine], then the defaults."""
+def resolve(args, config, env: dict[str, str] | None = None) -> None:
+    """Launcher flags left out: from the config's [engine], then the defaults; a node rank (flag or
+    ASCENDSERVE_NODE_RANK) gives the rank start."""
     e = config.engine if config is not None else None
     pick = (lambda flag, key, default: flag if flag is not None else getattr(e, key) if e is not None else default)
+    if args.node_rank is None and (env or {}).get("ASCENDSERVE_NODE_RANK", "").strip():
+        try:
+            args.node_rank = int(env["ASCENDSERVE_NODE_RANK"])
+        except ValueError:
+            args.node_rank = -1  # refused by _check
     args.dp_size = pick(args.dp_size, "data_parallel_size", None)
-    args.dp_rank_start = pick(args.dp_rank_start, "data_parallel_rank_start", 0)
     args.dp_size_local = pick(args.dp_size_local, "data_parallel_size_local", None)
+    if args.node_rank is not None and args.dp_rank_start is None and args.dp_size_local is not None:
+        args.dp_rank_start = args.node_rank * args.dp_size_local
+    args.dp_rank_start = pick(args.dp_rank_start, "data_parallel_rank_start", 0)
     args.dp_address = pick(args.dp_address, "data_parallel_address", "127.0.0.1")
     args.dp_rpc_port = pick(args.dp_rpc_port, "data_parallel_rpc_port", 13345)
     args.tp_size = pick(args.tp_size, "tensor_parallel_size", 1)
@@ -196,7 +212,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"ascendserve launch: error: {exc}", file=sys.stderr)
         return 2
-    resolve(args, config)
+    resolve(args, config, env)
     if error := _check(args):
         print(f"ascendserve launch: error: {error}", file=sys.stderr)
         return 2

@@ -133,3 +133,21 @@ def test_parallel_settings_are_checked_and_reach_vllm(tmp_path):
                                          "kv__connector": "pull"}, {}))
     with pytest.raises(ConfigError, match="data-parallel-size"):
         build_argv(load("pd", None, {"model__path": str(model), "engine__vllm_args": ["--data-parallel-size=2"]}, {}))
+
+
+def test_node_rank_gives_the_rank_start():
+    """Kubernetes: a StatefulSet's pod ordinal as ASCENDSERVE_NODE_RANK, no shell arithmetic."""
+    args, _ = parser().parse_known_args(["--role", "decode", "--dp-size", "8", "--dp-size-local", "2"])
+    resolve(args, None, {"ASCENDSERVE_NODE_RANK": "3"})
+    assert args.dp_rank_start == 6 and _check(args) is None
+    args, _ = parser().parse_known_args(["--role", "decode", "--dp-size", "8", "--dp-size-local", "2",
+                                         "--node-rank", "4"])
+    resolve(args, None, {})
+    assert "do not fit" in _check(args)  # ranks 8, 9 of 8
+    args, _ = parser().parse_known_args(["--role", "decode", "--dp-size", "8", "--dp-size-local", "2",
+                                         "--node-rank", "1", "--dp-rank-start", "4"])
+    resolve(args, None, {})
+    assert "--node-rank" in _check(args)
+    args, _ = parser().parse_known_args(["--role", "decode", "--dp-size", "8", "--dp-size-local", "2"])
+    resolve(args, None, {"ASCENDSERVE_NODE_RANK": "x"})
+    assert "integer" in _check(args)
