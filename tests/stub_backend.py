@@ -350,7 +350,7 @@ def main() -> None:
     from ascendserve.engine.middleware import ClusterGuard
 
     app = Stub(args)
-    guarded = ClusterGuard(app, token=args.cluster_token)
+    guarded = ClusterGuard(app, token=args.cluster_token, host=args.host)
 
     async def serve(scope, receive, send):
         target = app if scope.get("path", "").startswith("/stub/") else guarded

@@ -34,7 +34,7 @@ from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
 from ascendserve.web.body_limit import body_limit
 from ascendserve.web.errors import EXCEPTION_HANDLERS
-from ascendserve.web.upstream import Upstream, UpstreamError
+from ascendserve.web.upstream import Upstream, UpstreamError, engine_headers
 
 log = structlog.get_logger("ascendserve.metaserver")
 
@@ -136,8 +136,10 @@ async def _sweep(state: State, every_s: float) -> None:
 
 def create_app(config: Config) -> Litestar:
     ms = config.metaserver
+    # push dispatch calls prefill's client API: an engine bound off loopback wants the cluster token there
     upstream = Upstream(request_timeout_s=config.proxy.request_timeout_s,
                         connect_timeout_s=config.proxy.connect_timeout_s,
+                        headers=engine_headers(config.cluster.token, config.proxy.backend_api_key),
                         ssl_context=client_context(config.cluster.tls_ca))
 
     async def post_json(url: str, body: dict, headers: dict) -> dict:

@@ -396,7 +396,7 @@ def _registry_setup():
     from ascendserve.protocol.kv_params import PushPrefillRequest
     from ascendserve.protocol.openai import APIError
     from ascendserve.protocol.registry import Deregistration, Heartbeat, Registration, RegistryView
-    from ascendserve.router.discovery import RegistryWatch
+    from ascendserve.router.discovery import MetaserverWatch
     from ascendserve.router.health import HealthMonitor
     from ascendserve.router.pools import Pools
 
@@ -408,7 +408,7 @@ def _registry_setup():
 
     push = PushDispatcher(prefilled, ttl_s=0.02)  # asks that wait for sibling prompts end soon (504)
 
-    class Metaserver:  # what RegistryWatch reads the registry through (web/upstream.Upstream.get)
+    class Metaserver:  # what MetaserverWatch reads the registry through (web/upstream.Upstream.get)
         raw = b""
 
         async def get(self, url: str, timeout_s: float, headers: dict | None = None) -> tuple[int, bytes]:
@@ -416,7 +416,7 @@ def _registry_setup():
 
     metaserver = Metaserver()
     pools = Pools()
-    watch = RegistryWatch(pools, metaserver, HealthMonitor(pools, metaserver, ProxyConfig()), "http://ms",
+    watch = MetaserverWatch(pools, metaserver, HealthMonitor(pools, metaserver, ProxyConfig()), "http://ms",
                           TOKEN, 1.0, 1.0)
     kinds = [Registration, Heartbeat, Deregistration, _Expect, PushPrefillRequest]
 
