@@ -258,3 +258,67 @@ def test_slow_is_not_dead_a_frozen_sole_prefill_keeps_its_requests(etcd, tmp_pat
     finally:
         for proc in (proxy, p, d):
             proc.stop()
+
+
+def test_etcd_over_tls_with_a_user(tmp_path):
+    """etcd served over https (our CA file) with authentication on: engines and proxies log in with
+    registry.username / the password from the environment, log in again when etcd's token expires,
+    and a wrong password is an explicit error."""
+    import subprocess
+
+    from ascendserve.discovery import etcd as api
+    from ascendserve.discovery.heartbeat import EtcdRegistrar, Heartbeat
+    from tests.etcd_cluster import ETCD, need_etcd
+    from tests.ports import free_port
+    from tests.tlstools import write_self_signed
+
+    need_etcd()
+    cert, key = write_self_signed(tmp_path, "etcd")
+    client, peer = free_port(), free_port()
+    endpoint = f"https://127.0.0.1:{client}"
+    member = Proc("etcd-tls", [ETCD, "--name", "tls", "--data-dir", str(tmp_path / "data"),
+                               "--listen-client-urls", endpoint, "--advertise-client-urls", endpoint,
+                               "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                               "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                               "--initial-cluster", f"tls=http://127.0.0.1:{peer}", "--cert-file", str(cert),
+                               "--key-file", str(key), "--auth-token-ttl", "2", "--log-level", "warn"],
+                  client, tmp_path / "etcd-tls.log", {}, "/health", memory_gib=0.0)
+    etcdctl = ["etcdctl", "--endpoints", endpoint, "--cacert", str(cert)]
+    stub_pd = stub("pd", tmp_path)
+    proxy = None
+    heartbeat = None
+    try:
+        member.start()
+        wait_for(lambda: subprocess.run([*etcdctl, "endpoint", "health"], capture_output=True).returncode == 0, 30,
+                 "etcd over https")
+        for args in (["user", "add", "root", "--new-user-password", "s3cret-pw"], ["auth", "enable"]):
+            subprocess.run([*etcdctl, "--user", "root:s3cret-pw", *args] if args[0] == "auth" else [*etcdctl, *args],
+                           check=True, capture_output=True)
+        good = api.EtcdSettings((endpoint,), "tls", 3, "root", "s3cret-pw", str(cert))
+        with pytest.raises(api.EtcdError, match="authentication failed"):
+            api.Etcd(api.EtcdSettings((endpoint,), "tls", 3, "root", "wrong", str(cert))).range_prefix("/x")
+        with pytest.raises(api.EtcdError):
+            api.Etcd(api.EtcdSettings((endpoint,), "tls", 3, tls_ca=str(cert))).range_prefix("/x")  # no user
+        stub_pd.start().wait_ready()
+        registrar = EtcdRegistrar(good)
+        heartbeat = Heartbeat(registrar, "tls-pd", "pd", stub_pd.url, stub_pd.url, "stub-model", 0.5).start()
+        wait_for(lambda: [i["url"] for i in api.instances(good)] == [stub_pd.url], 15, "registered over https")
+        # etcd's token expires after 2 s unused (--auth-token-ttl 2): a client idle longer logs in again
+        idle = api.Etcd(good)
+        idle.range_prefix("/ascendserve/")
+        time.sleep(3)
+        assert [k for k in idle.range_prefix("/ascendserve/tls/")[1]] == ["/ascendserve/tls/instances/tls-pd"]
+        proxy = control("proxy", tmp_path, "--cluster-token", TOKEN, "--tls-ca", str(cert),
+                        "--registry-backend", "etcd", "--registry-endpoints", endpoint, "--registry-cluster", "tls",
+                        "--registry-username", "root")
+        proxy.env["ASCENDSERVE_REGISTRY_PASSWORD"] = "s3cret-pw"
+        proxy.start().wait_ready()
+        wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "the proxy found the pd in etcd")
+        assert complete(proxy).status_code == 200
+        assert "s3cret-pw" not in proxy.log_text()
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        for proc in (proxy, stub_pd, member):
+            if proc is not None:
+                proc.stop()
