@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from bench._report import save, table
-from bench.proxy import load, one_via_proxy
+from bench.proxy import load, one_direct, one_via_proxy
 from tests.etcd_cluster import EtcdCluster, registry_flags, stub_flags
 from tests.procs import Proc, control, start_all, stub
 
@@ -156,6 +156,16 @@ def discovery(backend: Backend, tmp: Path, trials: int) -> dict[str, list[float]
     return out
 
 
+def floor(tmp: Path, duration: float) -> dict:
+    """The client doing both hops itself, no proxy: what this host's client and stubs can do."""
+    p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv")
+    start_all(p, d)
+    try:
+        return asyncio.run(load(lambda s: one_direct(s, p.url, d.url), 64, duration))
+    finally:
+        p.stop(), d.stop()
+
+
 def throughput(backend: Backend, tmp: Path, duration: float, proxies: int) -> dict:
     p = stub("prefill", tmp, *backend.stub_flags())
     d = stub("decode", tmp, "--require-kv", *backend.stub_flags())
@@ -190,6 +200,7 @@ def main() -> None:
     found: dict[str, dict] = {}
     rates: dict[str, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory() as t:
+        rates["direct (floor)"] = {0: floor(Path(t), args.duration)}
         for name in ("metaserver", "etcd"):
             tmp = Path(t) / name
             tmp.mkdir()
@@ -207,10 +218,11 @@ def main() -> None:
                          _q(base, 50) / _q(values, 50)])
     table(f"Discovery, stub instances, {args.trials} trials, heartbeat/lease {args.ttl} s "
           "(x metaserver: > 1 is faster)", ["backend", "event", "n", "p50 ms", "p99 ms", "x metaserver p50"], rows)
-    base = rates["metaserver"][1]["rps"]
+    base, top = rates["metaserver"][1]["rps"], rates["direct (floor)"][0]["rps"]
     table(f"Proxy throughput, c=64, stub P->D, 16 streamed tokens, {args.duration:.0f} s (x: vs 1 proxy on "
-          "the metaserver)", ["backend", "proxies", "req/s", "p50 ms", "p99 ms", "errors", "x"],
-          [[name, n, r["rps"], r["p50_ms"], r["p99_ms"], r["errors"], r["rps"] / base]
+          "the metaserver; x floor: vs the client doing both hops itself)",
+          ["backend", "proxies", "req/s", "p50 ms", "p99 ms", "errors", "x", "x floor"],
+          [[name, n, r["rps"], r["p50_ms"], r["p99_ms"], r["errors"], r["rps"] / base, r["rps"] / top]
            for name, by_n in rates.items() for n, r in by_n.items()])
     save("registry", {"args": vars(args), "discovery": found,
                       "throughput": {k: {str(n): r for n, r in v.items()} for k, v in rates.items()}})
