@@ -149,11 +149,16 @@ class MetaserverWatch(RegistryWatch):
 
 
 def view_of(kvs: dict[str, bytes], revision: int) -> RegistryView:
-    """The instances under the etcd prefix as a registry view (bad entries skipped)."""
+    """The instances under the etcd prefix as a registry view (bad entries skipped; fields this version
+    does not know are ignored: a newer engine's entry during a rolling upgrade still counts)."""
     out = []
     for key, value in sorted(kvs.items()):
         try:
-            reg = msgspec.json.decode(value, type=Registration)
+            entry = msgspec.json.decode(value)
+            if not isinstance(entry, dict):
+                raise msgspec.ValidationError("not an object")
+            reg = msgspec.convert({k: v for k, v in entry.items() if k in Registration.__struct_fields__},
+                                  Registration)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("unreadable registry entry in etcd; skipped", key=key)
             continue

@@ -138,10 +138,14 @@ def test_etcd_entries_become_a_registry_view_skipping_bad_ones():
     good = b'{"instance_id": "pd-1", "role": "pd", "url": "http://10.0.0.1:8000", "model": "m", "load": {"running": 2}}'
     kvs = {"/ascendserve/default/instances/pd-1": good,
            "/ascendserve/default/instances/bad": b"not json",
+           "/ascendserve/default/instances/list": b"[1, 2]",
+           "/ascendserve/default/instances/newer": good.replace(b'"pd-1"', b'"pd-2"').replace(
+               b'"load"', b'"a_field_of_a_newer_version": 1, "load"'),
            "/ascendserve/default/instances/wrong-role": good.replace(b'"pd"', b'"proxy"')}
     v = view_of(kvs, 7)
     assert v.revision == 7
-    assert [(i.instance_id, i.url, i.load.running) for i in v.instances] == [("pd-1", "http://10.0.0.1:8000", 2)]
+    assert [(i.instance_id, i.url, i.load.running) for i in v.instances] == [
+        ("pd-2", "http://10.0.0.1:8000", 2), ("pd-1", "http://10.0.0.1:8000", 2)]  # by key: .../newer after .../list
 
 
 def test_etcd_watch_messages_and_keys():
