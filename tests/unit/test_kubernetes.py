@@ -12,9 +12,9 @@ expansion as the kubelet does it), its command is run up to `ascendserve` (a `sh
 a real shell with a stub `ascendserve` that records its argv), and that argv goes through our own
 parsers: `ascendserve --role ...` as cli.py parses and config.load builds it, `ascendserve launch
 ...` as launch/dp.py does, down to each rank's own command line. What the configs must then say
-(etcd registry, the pod IP advertised, the token from the Secret, ranks covering the data-parallel
-deployment, names that resolve to deployed Services, probes) is checked per overlay, and a set of
-broken manifests shows that each check can fail.
+(etcd registry, every address bound and the pod IP advertised, the token from the Secret, ranks
+covering the data-parallel deployment, names that resolve to deployed Services, probes) is checked
+per overlay, and a set of broken manifests shows that each check can fail.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ OVERLAYS = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
 TREES = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 DEVICE_TAG = {"ascend": "npu", "cuda": "cuda"}  # overlay -> the release's device; others: cpu
 ACCELERATORS = ("huawei.com/Ascend910", "nvidia.com/gpu")
+WILDCARDS = ("0.0.0.0", "::")
 TOKEN = SECRETS["ascendserve-cluster", "token"]
 
 
@@ -129,10 +130,12 @@ class Check:
             "the etcd password is not the Secret's"
         for url in config.registry.endpoints:
             self._resolves(urlsplit(url).hostname, urlsplit(url).port, "registry endpoint")
+        # every address, the pod's loopback included: kubectl port-forward connects there
+        assert config.server.host in WILDCARDS, \
+            f"binds {config.server.host}: kubectl port-forward (the pod's loopback) cannot reach it"
         if role == "proxy":
-            assert config.server.host == "0.0.0.0", f"the proxy binds {config.server.host}"
             assert ",".join(config.proxy.api_keys) == SECRETS["ascendserve-cluster", "api-keys"], "no API keys"
-        else:
+        else:  # what peers and the registry get, as config.load derives cluster.advertise_host
             assert config.cluster.advertise_host == pod.ip, \
                 f"advertises {config.cluster.advertise_host!r}, not the pod IP {pod.ip}"
         ports = {p["containerPort"]: p.get("name") for p in c.get("ports", [])}
@@ -376,11 +379,15 @@ def _container(objects: list[dict], kind: str, name: str) -> dict:
     return by_id(objects)[kind, name]["spec"]["template"]["spec"]["containers"][0]
 
 
-def _bind_all(objects: list[dict]) -> None:
-    """decode binds 0.0.0.0 instead of its pod IP: it would advertise its host name."""
-    c = _container(objects, "StatefulSet", "decode")
-    c["env"] = [v for v in c["env"] if v["name"] != "ASCENDSERVE_HOST"]
-    c["args"] += ["--host", "0.0.0.0"]
+def _drop_env(c: dict, name: str) -> None:
+    assert any(v["name"] == name for v in c["env"]), name
+    c["env"] = [v for v in c["env"] if v["name"] != name]
+
+
+def _set_env(c: dict, name: str, **value) -> None:
+    (var,) = [v for v in c["env"] if v["name"] == name]
+    var.pop("value", None), var.pop("valueFrom", None)
+    var.update(value)
 
 
 def _drop_flag(args: list[str], flag: str) -> None:
@@ -399,7 +406,10 @@ def _broken(tmp_path, tree: str, edit) -> list[str]:
      "rejected by the command line parser"),
     (lambda o: _container(o, "Deployment", "proxy")["args"].extend(["--cluster-token", "$(ASCENDSERVE_CLUSTER_TOKEN)"]),
      "in argv"),
-    (_bind_all, "advertises 'decode-0', not the pod IP"),
+    (lambda o: _drop_env(_container(o, "StatefulSet", "decode"), "ASCENDSERVE_ADVERTISE_HOST"),
+     "advertises 'decode-0', not the pod IP"),
+    (lambda o: _set_env(_container(o, "Deployment", "metaserver"), "ASCENDSERVE_HOST",
+                        valueFrom={"fieldRef": {"fieldPath": "status.podIP"}}), "kubectl port-forward"),
     (lambda o: _drop_flag(_container(o, "StatefulSet", "prefill")["args"], "--kv-events-host"), "KV events on loopback"),
     (lambda o: _container(o, "Deployment", "encoder")["envFrom"].pop(), "model.path is required"),
     (lambda o: _container(o, "Deployment", "proxy")["livenessProbe"]["httpGet"].__setitem__("path", "/health"),
@@ -413,10 +423,10 @@ def _broken(tmp_path, tree: str, edit) -> list[str]:
         slice(-4, -2), ["--ec-store-url", "memcache:11211"]), "no such Service"),
     (lambda o: _container(o, "StatefulSet", "decode")["args"].__setitem__(7, "example"),
      "different KV connectors"),
-    (lambda o: _container(o, "Deployment", "elastic-server")["env"].pop(1), "cluster.token"),
-], ids=["flag typo", "token in argv", "advertises host name", "KV events on loopback", "no model", "proxy liveness on /health",
-        "no startup allowance", "missing ConfigMap", "etcd member not deployed", "EC store name",
-        "KV connectors differ", "seed without token"])
+    (lambda o: _drop_env(_container(o, "Deployment", "elastic-server"), "ASCENDSERVE_CLUSTER_TOKEN"), "cluster.token"),
+], ids=["flag typo", "token in argv", "advertises host name", "binds the pod IP", "KV events on loopback", "no model",
+        "proxy liveness on /health", "no startup allowance", "missing ConfigMap", "etcd member not deployed",
+        "EC store name", "KV connectors differ", "seed without token"])
 def test_broken_manifests_are_rejected(tmp_path, edit, expected):
     problems = _broken(tmp_path, "base", edit)
     assert problems and any(expected in p for p in problems), problems
