@@ -8,10 +8,10 @@ ascendserve's own parsers applied to their command lines.
 - `validate(obj)`: the Kubernetes 1.30 schemas (kubernetes-validate, strict); a LeaderWorkerSet
   against the fields of its Go types, its pod templates as PodTemplates.
 - `pods(objects)`: every pod the workloads would make (each StatefulSet ordinal, each LWS worker
-  index) with its labels, IP and what a controller injects; `container_env` the environment
-  the kubelet gives a container (downward API values sampled, Secrets from SECRETS, ConfigMaps
-  from the rendered ones, $(VAR) expanded as the kubelet does it); `command_line` its
-  `ascendserve` argv (a `sh -c` script run in a real shell with a stub `ascendserve`).
+  index) with its index, labels, IP and what a controller injects; `container_env` the
+  environment the kubelet gives a container (downward API values sampled, Secrets from SECRETS,
+  ConfigMaps from the rendered ones, $(VAR) expanded as the kubelet does it);
+  `command_line` its `ascendserve` argv.
 - `parse_role`, `parse_launch`: that argv as cli.py and launch/dp.py read it, up to the loaded
   config, down to each DP rank's own command line.
 """
@@ -23,7 +23,6 @@ import contextlib
 import copy
 import io
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -257,7 +256,8 @@ class Pod:
     labels: dict
     spec: dict
     group: str  # pods of one data-parallel deployment share it
-    env: dict = field(default_factory=dict)  # what a controller injects (LWS)
+    index: int  # the StatefulSet ordinal, the LWS worker index (a Deployment's: its replica number)
+    env: dict = field(default_factory=dict)  # what a controller injects (LWS), ahead of the container's own
 
     @property
     def where(self) -> str:
@@ -267,27 +267,27 @@ class Pod:
 def pods(objects: list[dict]) -> list[Pod]:
     out: list[Pod] = []
 
-    def add(workload, name, template, group, labels=(), env=()):
+    def add(workload, name, template, group, index, labels=(), env=()):
         out.append(Pod(workload, name, f"10.244.{len(out) // 200}.{len(out) % 200 + 10}",
                        {**template["metadata"].get("labels", {}), **dict(labels)}, template["spec"], group,
-                       dict(env)))
+                       index, dict(env)))
 
     for w in objects:
         name, spec = w["metadata"]["name"], w.get("spec", {})
         count = max(1, spec.get("replicas", 1))  # replicas 0: the template is still checked
         if w["kind"] == "Deployment":
             for i in range(count):
-                add(w, f"{name}-5d9c7b8f6-x{i}", spec["template"], f"{name}-x{i}")
+                add(w, f"{name}-5d9c7b8f6-x{i}", spec["template"], f"{name}-x{i}", i)
         elif w["kind"] == "StatefulSet":
             for i in range(count):
-                add(w, f"{name}-{i}", spec["template"], name, {"apps.kubernetes.io/pod-index": str(i)})
+                add(w, f"{name}-{i}", spec["template"], name, i, {"apps.kubernetes.io/pod-index": str(i)})
         elif w["kind"] == "LeaderWorkerSet":
             lwt = spec["leaderWorkerTemplate"]
             size = lwt.get("size", 1)
             for g in range(count):
                 for i in range(size):
                     template = lwt.get("leaderTemplate", lwt["workerTemplate"]) if i == 0 else lwt["workerTemplate"]
-                    add(w, f"{name}-{g}" + (f"-{i}" if i else ""), template, f"{name}-{g}",
+                    add(w, f"{name}-{g}" + (f"-{i}" if i else ""), template, f"{name}-{g}", i,
                         {"leaderworkerset.sigs.k8s.io/worker-index": str(i)},
                         {"LWS_LEADER_ADDRESS": f"{name}-{g}.{name}.{NAMESPACE}", "LWS_GROUP_SIZE": str(size),
                          "LWS_WORKER_INDEX": str(i)})
@@ -358,24 +358,11 @@ def container_env(pod: Pod, container: dict, configmaps: dict[str, dict], secret
     return env
 
 
-def command_line(container: dict, env: dict, tmp: Path) -> list[str] | None:
-    """What `ascendserve` is called with: directly, or from a `sh -c` script run in a real shell
-    whose PATH holds a stub `ascendserve`; None when the container runs something else."""
+def command_line(container: dict, env: dict) -> list[str] | None:
+    """The arguments `ascendserve` is called with, $(VAR) expanded; None when the container runs
+    something else (a shell that would run ascendserve included: the manifests need none)."""
     argv = [expand(a, env) for a in [*container.get("command", []), *container.get("args", [])]]
-    if argv[:1] == ["ascendserve"]:
-        return argv[1:]
-    if len(argv) >= 3 and Path(argv[0]).name in ("sh", "bash") and argv[1] == "-c":
-        stub = tmp / "stub-bin"
-        stub.mkdir(exist_ok=True)
-        (stub / "ascendserve").write_text('#!/bin/sh\nprintf \'%s\\0\' "$@" > "$ASCENDSERVE_ARGV_OUT"\n')
-        (stub / "ascendserve").chmod(0o755)
-        out = tmp / "argv.bin"
-        out.unlink(missing_ok=True)
-        done = subprocess.run(["/bin/sh", *argv[1:]], capture_output=True, text=True, timeout=30,
-                              env={**env, "PATH": f"{stub}:/usr/bin:/bin", "ASCENDSERVE_ARGV_OUT": str(out)})
-        assert done.returncode == 0 and out.exists(), f"the script did not run ascendserve: {done.stderr[-500:]}"
-        return out.read_bytes().decode().split("\0")[:-1]
-    return None
+    return argv[1:] if argv[:1] == ["ascendserve"] else None
 
 
 # --- our own parsers ------------------------------------------------------------------------
@@ -424,7 +411,7 @@ def parse_launch(argv: list[str], env: dict, hostname: str) -> Launch:
         config = dp._role_config(args, env)
     except ConfigError as exc:
         raise AssertionError(f"launch: config error: {exc}") from None
-    dp.resolve(args, config)
+    dp.resolve(args, config, env)  # ASCENDSERVE_NODE_RANK: the pod's index
     assert (error := dp._check(args)) is None, f"launch: {error}"
     moe = dp.is_moe(dp._model_path(args, config, env))
     children = dp.rank_children(args, passthrough, ["ascendserve"], env, "cpu", moe)

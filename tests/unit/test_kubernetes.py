@@ -1,20 +1,17 @@
 """deploy/kubernetes and the etcd examples of packaging/systemd, checked without a cluster or a network.
 
-Every overlay (and the base) is rendered by a small kustomize of our own (tests/kube.py), for
-exactly the features the tree uses (resources, components, strategic-merge and JSON patches with
-targets, images), and by `kubectl kustomize` where kubectl is installed: both must agree. Each
-rendered object is validated against the Kubernetes 1.30 API schemas (kubernetes-validate, strict:
-unknown fields fail); the LeaderWorkerSet custom resource against the fields of its Go types, its
-pod templates against the PodTemplate schema. Then every pod the workloads would make (each
-StatefulSet ordinal, each LWS worker index) gets the environment Kubernetes would give it (downward
-API values sampled, Secrets replaced by test values, ConfigMaps from the rendered ones, $(VAR)
-expansion as the kubelet does it), its command is run up to `ascendserve` (a `sh -c` script runs in
-a real shell with a stub `ascendserve` that records its argv), and that argv goes through our own
-parsers: `ascendserve --role ...` as cli.py parses and config.load builds it, `ascendserve launch
-...` as launch/dp.py does, down to each rank's own command line. What the configs must then say
-(etcd registry, every address bound and the pod IP advertised, the token from the Secret, ranks
-covering the data-parallel deployment, names that resolve to deployed Services, probes) is checked
-per overlay, and a set of broken manifests shows that each check can fail.
+Every overlay (and the base) is rendered by a small kustomize of our own (tests/kube.py), and by
+`kubectl kustomize` where kubectl is installed: both must agree. Each rendered object is
+validated against the Kubernetes 1.30 API schemas (kubernetes-validate, strict: unknown fields
+fail; the LeaderWorkerSet against the fields of its Go types). Then every pod the workloads would
+make (each StatefulSet ordinal, each LWS worker index) gets the environment Kubernetes would give
+it, and its `ascendserve` command line goes through our own parsers: `ascendserve --role ...` as
+cli.py parses and config.load builds it, `ascendserve launch ...` as launch/dp.py resolves it
+(the pod's ASCENDSERVE_NODE_RANK included), down to each rank's own command line. What the
+configs must then say (etcd registry, every address bound and the pod IP advertised, the token
+from the Secret, each pod's ranks and their coverage of the data-parallel deployment, names that
+resolve to deployed Services, probes) is checked per overlay, and a set of broken manifests
+shows that each check can fail.
 """
 
 from __future__ import annotations
@@ -43,8 +40,8 @@ OVERLAYS = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
 TREES = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 DEVICE_TAG = {"ascend": "npu", "cuda": "cuda"}  # overlay -> the release's device; others: cpu
 ACCELERATORS = ("huawei.com/Ascend910", "nvidia.com/gpu")
-WILDCARDS = ("0.0.0.0", "::")
 TOKEN = SECRETS["ascendserve-cluster", "token"]
+WILDCARDS = ("0.0.0.0", "::")
 
 
 # --- the checks ---------------------------------------------------------------------------
@@ -100,7 +97,7 @@ class Check:
         for probe in ("readinessProbe", "livenessProbe"):
             assert probe in c, f"no {probe}"
         env = container_env(pod, c, self.configmaps, self.secrets)
-        argv = command_line(c, env, self.tmp)
+        argv = command_line(c, env)
         if split_image(c["image"])[0] != "ascendserve":
             assert argv is None, "runs ascendserve from another image"
             return
@@ -113,6 +110,9 @@ class Check:
         role = pod.labels["app.kubernetes.io/component"]
         if argv[:1] == ["launch"]:
             launch = parse_launch(argv[1:], env, pod.name)
+            start, local = launch.args.dp_rank_start, launch.args.dp_size_local
+            assert start == pod.index * local, \
+                f"pod index {pod.index} runs ranks from {start}, not {pod.index} x {local}"
             for _, config in launch.ranks:  # the probes ask local rank 0
                 self._config(pod, c, config, role, launch.args.tp_size * launch.args.dp_size_local,
                              launch.args.engine_port)
@@ -312,6 +312,11 @@ def test_data_parallel_ranks_cover_the_deployment(tmp_path, tree):
     assert {i.config.engine.data_parallel_size for i in check.instances if i.launch} == {4}
     assert len({p for p, _, _ in ranks}) == 2  # two pods of two ranks each
     assert {port for _, _, port in ranks} == {8300, 8301}
+    # launch/dp.resolve with the pod's environment: ASCENDSERVE_NODE_RANK is the pod's index
+    # (StatefulSet ordinal, LWS worker index), and the rank start node rank x --dp-size-local
+    starts = {(i.pod.name, i.pod.index, i.launch.args.node_rank, i.launch.args.dp_rank_start)
+              for i in check.instances if i.launch is not None}
+    assert sorted(s[1:] for s in starts) == [(0, 0, 0), (1, 1, 2)], starts
 
 
 def test_registry_is_the_etcd_members_of_the_base(tmp_path):
@@ -379,6 +384,11 @@ def _container(objects: list[dict], kind: str, name: str) -> dict:
     return by_id(objects)[kind, name]["spec"]["template"]["spec"]["containers"][0]
 
 
+def _lws_container(objects: list[dict]) -> dict:
+    return by_id(objects)["LeaderWorkerSet", "decode"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"][
+        "containers"][0]
+
+
 def _drop_env(c: dict, name: str) -> None:
     assert any(v["name"] == name for v in c["env"]), name
     c["env"] = [v for v in c["env"] if v["name"] != name]
@@ -393,6 +403,19 @@ def _set_env(c: dict, name: str, **value) -> None:
 def _drop_flag(args: list[str], flag: str) -> None:
     i = args.index(flag)
     del args[i:i + 2]
+
+
+def _set_flag(args: list[str], flag: str, value: str) -> None:
+    args[args.index(flag) + 1] = value
+
+
+def _in_a_shell(c: dict) -> None:
+    """What the manifests did before `launch --node-rank`: a shell computes the rank start."""
+    script = " ".join(["exec", *c["command"], *c["args"], '--dp-rank-start "$((POD_INDEX * 2))"'])
+    c["command"], c["args"] = ["/bin/sh", "-c"], [script]
+    c["env"].append({"name": "POD_INDEX", "valueFrom": {
+        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}})
+    _drop_env(c, "ASCENDSERVE_NODE_RANK")
 
 
 def _broken(tmp_path, tree: str, edit) -> list[str]:
@@ -437,22 +460,25 @@ def test_broken_manifests_are_rejected(tmp_path, edit, expected):
      "do not fit in --dp-size"),
     ("overlays/dp", lambda o: by_id(o)["StatefulSet", "decode"]["spec"].__setitem__("replicas", 1),
      "the pods run DP ranks [0, 1] of --dp-size 4"),
-    ("overlays/dp", lambda o: _container(o, "StatefulSet", "decode")["args"].__setitem__(
-        0, _container(o, "StatefulSet", "decode")["args"][0].replace("decode-0.decode", "decode-1.decode")),
-     "DP master decode-1"),
+    ("overlays/dp", lambda o: _set_flag(_container(o, "StatefulSet", "decode")["args"], "--dp-address",
+                                        "decode-1.decode"), "DP master decode-1"),
     ("overlays/dp", lambda o: by_id(o)["Service", "decode"]["spec"].pop("publishNotReadyAddresses"),
      "publishes its pods only once ready"),
-    ("overlays/lws", lambda o: by_id(o)["LeaderWorkerSet", "decode"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
-     ["spec"]["containers"][0]["args"].__setitem__(0, "exec ascendserve launch --role decode --dp-size 4 "
-                                                   "--dp-size-local 2 --engine-port 8300 --kv-connector pull"),
-     "the pods run DP ranks"),
+    ("overlays/dp", lambda o: _drop_env(_container(o, "StatefulSet", "decode"), "ASCENDSERVE_NODE_RANK"),
+     "pod index 1 runs ranks from 0, not 1 x 2"),
+    ("overlays/lws", lambda o: _drop_env(_lws_container(o), "ASCENDSERVE_NODE_RANK"),
+     "pod decode-0-1 container engine: pod index 1 runs ranks from 0"),
+    ("overlays/lws", lambda o: _set_env(_lws_container(o), "ASCENDSERVE_NODE_RANK", value="$(LWS_WORKER_IDX)"),
+     "--node-rank (ASCENDSERVE_NODE_RANK) must be an integer"),
+    ("overlays/dp", lambda o: _container(o, "StatefulSet", "decode")["args"].extend(["--dp-rank-start", "0"]),
+     "launch: --node-rank 1 needs --dp-size-local"),
     ("overlays/cuda", lambda o: _container(o, "StatefulSet", "decode")["resources"]["limits"].__setitem__(
         "nvidia.com/gpu", "2"), "ranks' devices"),
-    ("overlays/dp", lambda o: _container(o, "StatefulSet", "decode")["args"].__setitem__(
-        0, _container(o, "StatefulSet", "decode")["args"][0].replace("exec ascendserve", "exec ascendserv")),
-     "the script did not run ascendserve"),
+    ("overlays/dp", lambda o: _in_a_shell(_container(o, "StatefulSet", "decode")),
+     "the ascendserve image runs no ascendserve command"),
 ], ids=["more pods than ranks", "fewer pods than ranks", "master not rank 0", "master unresolvable before ready",
-        "LWS ranks from no index", "devices != tp x local ranks", "script misses ascendserve"])
+        "ranks from no index", "LWS ranks from no index", "LWS index misspelled", "rank start set twice",
+        "devices != tp x local ranks", "ascendserve in a shell"])
 def test_broken_layouts_are_rejected(tmp_path, tree, edit, expected):
     objects = copy.deepcopy(rendered(tree))
     edit(objects)
