@@ -267,11 +267,18 @@ def test_decode_asks_the_metaserver_and_reports_a_refusal():
         meta = planner.build_connector_meta(step())
         assert meta.expect == {"cmpl-x-0-abcdef12": [6, 7, 8]}
         # nothing listens on port 1: refused at once, but the asking thread starts its HTTP client
-        # first, which took over 10 s once on a loaded 2-core CI host (the worker's other module)
-        deadline, failed = time.monotonic() + 60, []
+        # first, which took over 10 s once and about 60 s once on a loaded 2-core CI host (in the full
+        # suite only; 0.2 s alone): the bound is generous, and every thread's stack is printed if
+        # it is ever reached, to show where the asking thread waits
+        deadline, failed = time.monotonic() + 150, []
         while not failed and time.monotonic() < deadline:
             failed = planner.build_connector_meta(step()).failed
             time.sleep(0.05)
+        if not failed:
+            import faulthandler
+            import sys
+
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
         assert failed == ["cmpl-x-0-abcdef12"]
     finally:
         planner.shutdown()
