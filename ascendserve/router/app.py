@@ -93,6 +93,9 @@ def _readiness(state: State) -> Readiness:
     """What /health and /v1/models report: the roles this proxy's topology needs, each with a healthy
     instance? Encoders are optional unless the proxy may not fall back to local encoding."""
     ready = state.pools.readiness(encoders_required=state.settings.encoder_fallback == "fail")
+    if ready.ok and (why := state.pipeline.push_missing()):
+        ready.ok = False
+        ready.missing.append(why)
     watch = state.watch
     if not ready.ok and watch is not None and not watch.reachable:
         ready.missing.append(f"{watch.where} unreachable")
@@ -175,7 +178,8 @@ async def instances_remove(request: Request, state: State) -> dict:
 
 @get("/instances")
 async def instances_list(state: State) -> dict:
-    return {"instances": [i.summary() for i in state.pools.all_instances()]}
+    return {"instances": [i.summary() for i in state.pools.all_instances()],
+            "metaservers": state.pipeline.metaservers()}
 
 
 async def _fan_out(state: State, path: str) -> Response:

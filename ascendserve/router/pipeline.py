@@ -153,6 +153,22 @@ class Pipeline:
         raise APIError(503, "no healthy instance can serve this request (need pd, or prefill and decode)",
                        type="service_unavailable", code="no_instance")
 
+    def push_missing(self) -> str | None:
+        """Why push mode cannot serve yet (no metaserver known) when P and D would pair over a push
+        connector; None otherwise. /health says it: a proxy is not ready while every request would
+        get 503 no_metaserver (a metaserver announces itself a beat after it is up)."""
+        if not (self.pools.has_active("prefill") and self.pools.has_active("decode")) or self.metaservers():
+            return None
+        try:
+            pair = self.pairing.pair(self.pools["prefill"].active(), self.pools["decode"].active(), lambda _: None)
+        except APIError:
+            return None  # a connector mismatch: requests say it
+        if pair.flow != "push":
+            return None
+        connector = pair.connector or self.settings.mode
+        return (f"no metaserver known: prefill and decode run a push connector ({connector}) and the proxy "
+                "has no metaserver to announce requests to")
+
     def _pair(self) -> Pair:
         """This request's KV connector and flow, and the P and D that cannot take part
         (router/kv_flow.py): 503 when no prefill and decode share a connector."""

@@ -200,7 +200,9 @@ def test_push_mode_with_two_metaservers_one_killed_mid_stream(etcd, tmp_path):
     try:
         start_all(*metas, p, d, proxy)
         wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy ready through etcd")
-        for i in range(6):  # both metaservers announced: requests take turns
+        wait_for(lambda: len(httpx.get(proxy.url + "/instances", headers=ADMIN).json()["metaservers"]) == 2, 10,
+                 "both metaservers announced")
+        for i in range(6):  # requests take turns
             assert complete(proxy, i).status_code == 200
         wait_for(lambda: all(httpx.get(m.url + "/metrics").text.count("push_asks_total 0.0") == 0 for m in metas),
                  10, "both metaservers dispatched a prefill")

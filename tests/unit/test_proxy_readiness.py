@@ -8,6 +8,7 @@ import pytest
 from litestar.testing import TestClient
 
 from ascendserve.config import ProxyConfig, load
+from ascendserve.protocol.kv_connectors import KVInfo
 from ascendserve.router.app import create_app
 from ascendserve.router.health import HealthMonitor
 from ascendserve.router.pools import ACTIVE, EJECTED, Pools
@@ -157,3 +158,28 @@ def test_admission_reads_the_kv_connector_from_kv_info_and_a_plain_vllm_says_non
     assert ours.state == plain.state == ACTIVE
     assert (ours.kv.connector, ours.kv.flow, ours.kv.engine_id) == ("nixl", "pull", "e1")
     assert plain.kv is None and plain.kv_connector == ""  # 404: pairs with any connector
+
+
+def test_push_pairs_are_not_ready_until_a_metaserver_is_known(proxy):
+    """Measured: a metaserver announces itself in etcd a beat after P and D; the proxy said 200 on
+    /health while every request got 503 no_metaserver. Now /health waits for one."""
+    client, pools = proxy
+    pipeline = client.app.state.pipeline
+    for role, url in (("prefill", "http://127.0.0.1:8010"), ("decode", "http://127.0.0.1:8011")):
+        _instance(pools, role, url).kv = KVInfo(connector="push", flow="push", free="ttl")
+    known: list[str] = []
+    pipeline.metaservers = lambda: known
+    health = client.get("/health")
+    assert health.status_code == 503
+    assert health.json()["missing"] == [
+        "no metaserver known: prefill and decode run a push connector (push) and the proxy has no "
+        "metaserver to announce requests to"]
+    assert client.get("/instances").json()["metaservers"] == []
+    known.append("http://127.0.0.1:8001")
+    assert client.get("/health").status_code == 200
+    assert client.get("/instances").json()["metaservers"] == ["http://127.0.0.1:8001"]
+    # a pull pair needs no metaserver
+    known.clear()
+    for inst in pools.all_instances():
+        inst.kv = KVInfo(connector="pull", flow="pull")
+    assert client.get("/health").status_code == 200
