@@ -11,6 +11,10 @@ closes: closing a socket with unread bytes makes the kernel send a reset,
 which discards the refusal from the client's receive buffer, so a client that
 had not read it yet saw "server disconnected without a response" instead of
 the 413 (a loaded host, test_security's oversized-body test, once in CI).
+
+The same holds for any response that starts before its request body was read
+to the end (a route that ignores its body): it says `connection: close` and
+the rest is drained, so the client's next request goes on a new connection.
 """
 
 from __future__ import annotations
@@ -29,19 +33,55 @@ class BodyLimit:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            for name, value in scope.get("headers", ()):
-                if name.lower() == b"content-length":
-                    try:
-                        size = int(value)
-                    except ValueError:
-                        size = -1
-                    if size < 0:
-                        return await _refuse(send, 400, "invalid Content-Length header")
-                    if size > self.max_bytes:
-                        await _refuse(send, 413, "request body too large")
-                        return await _drain(receive, DRAIN_FACTOR * max(self.max_bytes, 1 << 20))
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        has_body = False
+        for name, value in scope.get("headers", ()):
+            name = name.lower()
+            if name == b"content-length":
+                try:
+                    size = int(value)
+                except ValueError:
+                    size = -1
+                if size < 0:
+                    return await _refuse(send, 400, "invalid Content-Length header")
+                if size > self.max_bytes:
+                    await _refuse(send, 413, "request body too large")
+                    return await _drain(receive, self.drain_limit)
+                has_body = has_body or size > 0
+            elif name == b"transfer-encoding":
+                has_body = True
+        if not has_body:
+            return await self.app(scope, receive, send)
+        await self._unread_body_closes(scope, receive, send)
+
+    @property
+    def drain_limit(self) -> int:
+        return DRAIN_FACTOR * max(self.max_bytes, 1 << 20)
+
+    async def _unread_body_closes(self, scope, receive, send):
+        """A response started before the request body was read to its end (a route that ignores its
+        body, a 413 counted while reading): it says `connection: close`, so the client does not send
+        its next request on a connection the server drops (measured: "server disconnected without
+        sending a response" on the next POST), and the rest is drained before the close."""
+        done = False
+
+        async def counted():
+            nonlocal done
+            message = await receive()
+            if message.get("type") != "http.request" or not message.get("more_body", False):
+                done = True
+            return message
+
+        async def closing(message):
+            if message.get("type") == "http.response.start" and not done:
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, counted, closing)
+        if not done:
+            await _drain(receive, self.drain_limit)
 
 
 DRAIN_FACTOR = 4

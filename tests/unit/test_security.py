@@ -221,3 +221,43 @@ def test_a_refused_body_is_read_before_the_connection_closes():
     finally:
         body_limit.DRAIN_S = saved
     assert status == 413 and read == 2000 and took < 2, (read, took)
+
+
+def test_a_response_before_the_body_was_read_closes_the_connection_after_draining_it():
+    """Measured in CI: a route that ignores its body answered 200 on a keep-alive connection, the
+    server then dropped the connection over the unread body, and the client's next POST on it got
+    "server disconnected without sending a response". Such a response now says connection: close and
+    the rest is read first; a route that read its body keeps the connection."""
+    import asyncio
+
+    from ascendserve.web.body_limit import BodyLimit
+
+    def app_reading(reads: bool):
+        async def app(scope, receive, send):
+            if reads:
+                while (await receive()).get("more_body"):
+                    pass
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"Connection", b"keep-alive")]})
+            await send({"type": "http.response.body", "body": b"{}"})
+        return app
+
+    async def call(app, headers, total=5000, chunk=1000):
+        sent, read = [], [0]
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            n = min(chunk, total - read[0])
+            read[0] += n
+            return {"type": "http.request", "body": b"x" * n, "more_body": read[0] < total}
+
+        await BodyLimit(app, max_bytes=10_000)({"type": "http", "headers": headers}, receive, send)
+        return [v for k, v in sent[0]["headers"] if k.lower() == b"connection"], read[0], sent[1]["body"]
+
+    for headers in ([(b"content-length", b"5000")], [(b"transfer-encoding", b"chunked")]):
+        assert asyncio.run(call(app_reading(False), headers)) == ([b"close"], 5000, b"{}")
+        assert asyncio.run(call(app_reading(True), headers)) == ([b"keep-alive"], 5000, b"{}")
+    # no body: untouched, nothing read
+    assert asyncio.run(call(app_reading(False), [], total=0)) == ([b"keep-alive"], 0, b"{}")
