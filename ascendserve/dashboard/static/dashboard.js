@@ -86,7 +86,7 @@
     for (const [key, , value, fmt] of specs) {
       const node = $("tile-" + key);
       const missing = value === null || value === undefined;
-      node.textContent = missing ? (key === "itl" ? "not measured" : key === "kv_gbps" || key === "ec_hit_rate" ? "not reported" : "—") : fmt(value);
+      node.textContent = missing ? (key === "itl" ? "not measured" : key === "kv_gbps" ? "not reported" : "—") : fmt(value);
       node.className = missing ? "value na" : "value";
       node.dataset.value = missing ? "" : JSON.stringify(value);
     }
