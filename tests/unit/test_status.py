@@ -105,8 +105,11 @@ def run(monkeypatch, argv, net: FakeNet, env=None, out=None, sleep=None) -> tupl
 
 
 def usage(monkeypatch, argv, env=None) -> int:
+    def sleep(seconds):
+        raise AssertionError(f"a usage error must stop before the first round (slept {seconds})")
+
     try:
-        return run(monkeypatch, argv, FakeNet({}), env)[0]
+        return run(monkeypatch, argv, FakeNet({}), env, sleep=sleep)[0]
     except SystemExit as exc:  # argparse's own usage errors
         return exc.code
 
@@ -206,12 +209,16 @@ def test_a_refused_token_says_where_it_came_from_and_exits_2(monkeypatch, capsys
     (["--proxy", PROXY, "--cluster", "c1"], {}),
     (["--proxy", PROXY, "--token-file", "/nonexistent/token"], {}),
     (["--proxy", PROXY, "--tls-ca", "/nonexistent/ca.pem"], {}),
-    (["--proxy", PROXY, "--token", TOKEN], {}),  # no abbreviation of --token-file
     (["--etcd", "http://e:2379", "--cluster", "a/b"], {}),
     (["--etcd", "http://e:2379"], {"ASCENDSERVE_REGISTRY_PASSWORD": "pw"}),
 ])
 def test_usage_errors_exit_2(monkeypatch, argv, env):
     assert usage(monkeypatch, argv, env) == 2
+
+
+def test_token_is_no_abbreviation_of_token_file(monkeypatch, tmp_path):
+    (tmp_path / "t").write_text(TOKEN)
+    assert usage(monkeypatch, ["--proxy", PROXY, "--token", str(tmp_path / "t")]) == 2
 
 
 def test_an_empty_token_file_is_a_usage_error(monkeypatch, tmp_path, capsys):
