@@ -109,10 +109,14 @@ def from_proxy(client: Client) -> Snapshot:
     if not snap.ready and not snap.missing:
         snap.missing = [str(health.get("error", {}).get("message") or f"/health answered {status}")]
     for i in listed.get("instances", []):
+        # the engine's own load (other proxies' requests, KV usage) reaches a proxy through the
+        # registry only: for an instance it was given by flag or admin call, unknown rather than 0
+        registered = i.get("source") == "registry"
         snap.rows.append(Row(
             role=i.get("role", ""), url=i.get("url", ""), instance_id=i.get("instance_id", ""),
-            state=i.get("state", ""), in_flight=i.get("active_requests"), others=i.get("others"),
-            kv_usage=i.get("kv_usage"), kv_held=i.get("active_kv") if i.get("role") == "prefill" else None,
+            state=i.get("state", ""), in_flight=i.get("active_requests"),
+            others=i.get("others") if registered else None, kv_usage=i.get("kv_usage") if registered else None,
+            kv_held=i.get("active_kv") if i.get("role") == "prefill" else None,
             served=i.get("served"), failures=i.get("failures"), last_error=i.get("last_error", ""),
             model=",".join(i.get("models", []))))
     try:

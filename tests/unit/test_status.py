@@ -152,6 +152,17 @@ def test_json_is_one_document_with_pinned_fields(monkeypatch):
         ("encoder", False), ("prefill", True), ("decode", True), ("decode", False), ("pd", True)]
 
 
+def test_engine_load_is_unknown_for_instances_the_proxy_was_given_by_flag(monkeypatch):
+    pools = Pools()
+    pools["pd"].add("http://h:1", source="static").state = "active"
+    routes = {**proxy_routes(), PROXY + "/instances": (200, {"instances": [i.summary() for i in pools.all_instances()]})}
+    code, text = run(monkeypatch, ["--proxy", PROXY, "--json"], FakeNet(routes))
+    row = json.loads(text)["instances"][0]
+    assert code == 0 and row["kv_usage"] is None and row["others"] is None and row["in_flight"] == 0
+    code, text = run(monkeypatch, ["--proxy", PROXY], FakeNet(routes))
+    assert text.splitlines()[-1].split()[3:8] == ["active", "0", "-", "-", "-"]
+
+
 def test_not_ready_says_what_is_missing_and_exits_1(monkeypatch):
     missing = "no healthy decode instance: 2 registered, 2 ejected"
     routes = proxy_routes((503, {"status": "degraded", "missing": [missing], "error": {"message": missing}}))
