@@ -60,7 +60,8 @@ class Client:
                 return exc.code, exc.read()
             if exc.code in (401, 403):
                 raise AuthError(self._refused(url, exc.code)) from None
-            raise Unreachable(f"{url} answered {exc.code} {exc.reason}") from None
+            hint = " (is this the right URL, and the right kind of server?)" if exc.code in (404, 405) else ""
+            raise Unreachable(f"{url} answered {exc.code} {exc.reason}{hint}") from None
         except urllib.error.URLError as exc:
             raise Unreachable(_why(url, exc.reason)) from None
         except (OSError, ValueError) as exc:  # a reset mid-body, a timeout while reading, a bad URL

@@ -185,6 +185,14 @@ def test_unreachable_is_exit_1_with_the_reason(monkeypatch, capsys, reason, need
     assert code == 1 and needle in json.loads(text)["error"] and needle in capsys.readouterr().err
 
 
+def test_the_wrong_kind_of_server_says_so(monkeypatch):
+    # a metaserver's URL given as --proxy: /health answers, /instances is not there
+    routes = {PROXY + "/health": (200, {"status": "ok", "instances": {}, "push_pending": 0}),
+              PROXY + "/instances": (404, {"error": {"message": "Not Found"}})}
+    code, text = run(monkeypatch, ["--proxy", PROXY], FakeNet(routes))
+    assert code == 1 and "/instances answered 404" in text and "the right kind of server" in text
+
+
 def test_the_token_goes_only_to_guarded_routes_and_a_file_wins(monkeypatch, tmp_path):
     net = FakeNet(proxy_routes(), [PROXY + "/instances"])
     assert run(monkeypatch, ["--proxy", PROXY], net, {"ASCENDSERVE_CLUSTER_TOKEN": TOKEN})[0] == 0
