@@ -279,3 +279,29 @@ def test_a_page_that_stops_reading_is_dropped():
         await hub.close()
 
     asyncio.run(run())
+
+
+def test_metaserver_on_etcd_lists_the_registry_and_tells_joins_and_leaves(monkeypatch):
+    from ascendserve.dashboard import registry_view
+    from ascendserve.discovery.etcd import EtcdSettings
+
+    listings = iter([
+        [{"instance_id": "p1", "role": "prefill", "url": "http://p:1", "model": "m", "load": {"running": 2}}],
+        [{"instance_id": "d1", "role": "decode", "url": "http://d:1", "model": "m", "future_field": 1},
+         {"instance_id": "bad", "role": "router", "url": "http://x:1", "model": "m"}],
+    ])
+    monkeypatch.setattr(registry_view.etcd, "instances", lambda settings: next(listings))
+    feed = EventFeed()
+    source = RegistrySource("metaserver test", Registry(6.0), feed, upstream=None, heartbeat_interval_s=2.0,
+                            etcd_settings=EtcdSettings(("http://127.0.0.1:2379",), "default", 10))
+    source.kv.poll = _no_poll
+    asyncio.run(source.poll())
+    snap = source.snapshot()
+    assert [(i["url"], i["running"]) for i in snap["instances"]] == [("http://p:1", 2)] and not feed.recent()
+    asyncio.run(source.poll())
+    assert [i["url"] for i in source.snapshot()["instances"]] == ["http://d:1"]  # the bad entry is skipped
+    assert sorted((e.kind, e.url) for e in feed.recent()) == [("joined", "http://d:1"), ("left", "http://p:1")]
+
+
+async def _no_poll(urls):
+    return None

@@ -37,7 +37,8 @@ def _call(app, client, *requests):
     async def run():
         transport = httpx.ASGITransport(app=app, client=client)
         async with httpx.AsyncClient(transport=transport, base_url="http://dash.test") as http:
-            return [await http.request(method, path, **kw) for method, path, kw in requests]
+            # an event stream that opens by mistake never ends: a failure, not a hang
+            return [await asyncio.wait_for(http.request(method, path, **kw), 20) for method, path, kw in requests]
 
     return asyncio.run(run())
 
