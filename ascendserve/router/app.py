@@ -23,7 +23,7 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from ascendserve.config import Config, ConfigError, instance_url
+from ascendserve.config import Config, ConfigError, environ, instance_url
 from ascendserve.dashboard.dashboard import Dashboard
 from ascendserve.dashboard.events import compose
 from ascendserve.protocol.openai import APIError, error_body, parse
@@ -37,6 +37,7 @@ from ascendserve.router.ec import ECLookup
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
 from ascendserve.router.pools import ACTIVE, ROLES, Pools, Readiness
+from ascendserve.router.tracing import Tracing
 from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
 from ascendserve.web.body_limit import body_limit
@@ -53,7 +54,7 @@ async def _serve(kind: str, request: Request, state: State) -> Response | Stream
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         try:
             body = parse(await request.body(), kind)
-            reply = await state.pipeline.handle(kind, body, request_id)
+            reply = await state.pipeline.handle(kind, body, request_id, request.headers)
         except APIError as exc:
             state.metrics.requests.labels(kind, str(exc.status)).inc()
             state.metrics.errors.labels("client" if exc.status < 500 else "backend").inc()
@@ -251,7 +252,8 @@ def create_app(config: Config) -> Litestar:
                         config.cluster.metaserver_url, config.cluster.token,
                         ECLookup.from_config(config.ec, settings.mm_hash_algorithm), health_.suspect,
                         health_.wake, kv_router,
-                        metaservers=(lambda: watch.metaservers or static) if config.registry.backend == "etcd" else None)
+                        metaservers=(lambda: watch.metaservers or static) if config.registry.backend == "etcd" else None,
+                        tracer=Tracing.from_env(environ()))  # None unless OTEL_* turns traces on
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar):
@@ -271,6 +273,8 @@ def create_app(config: Config) -> Litestar:
             await upstream.close()
             if pipeline.ec_lookup is not None:
                 pipeline.ec_lookup.close()
+            if pipeline.tracing is not None:
+                await pipeline.tracing.close()  # what is left is exported
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
                    "upstream": upstream, "watch": watch, "settings": settings, "dashboard": dashboard})

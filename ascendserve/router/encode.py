@@ -18,6 +18,7 @@ import structlog
 from ascendserve.config import ProxyConfig
 from ascendserve.connectors.ec.memcached import StoreError
 from ascendserve.protocol.openai import APIError, mm_parts, only_part
+from ascendserve.router import tracing
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.media import encoder_tokens, image_size, part_url
 from ascendserve.router.metrics import ProxyMetrics
@@ -73,6 +74,7 @@ class Encoders:
             raise APIError(503, f"encoder unavailable: {why[:200]}", type="service_unavailable",
                            code="encoder_unavailable")
         self.metrics.fallbacks.inc()
+        tracing.event("encoder_fallback", reason=why[:200])
         log.warning("encoder unavailable; the next instance encodes locally", detail=why[:200])
 
     def _check_sizes(self, parts: list[dict]) -> None:
@@ -109,6 +111,7 @@ class Encoders:
         if len(present) < len(set(hashes)):
             return False
         self.metrics.encoder_skips.inc()
+        tracing.event("encoder_skipped", items=len(hashes))
         log.info("every item is in the EC store; encoder hop skipped", items=len(hashes))
         return True
 

@@ -17,7 +17,8 @@ role and holds a Lease on it for exactly as long as it uses it):
                failure after it ends the stream with an OpenAI error event.
 
 Retries: connection errors and 5xx, with exponential backoff, preferring an
-instance not tried yet; never on 4xx.
+instance not tried yet; never on 4xx. Traces (router/tracing.py, when OTEL_* turns them
+on): a span per attempt at a hop (`_hop`), its traceparent on the engine's request.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ascendserve.connectors.transport.channel import free_remote
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.wire import decode_json
 from ascendserve.protocol.openai import APIError, error_body, estimated_tokens, max_new_tokens
-from ascendserve.router import kv_flow, ledger
+from ascendserve.router import kv_flow, ledger, tracing
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.encode import Encoders
 from ascendserve.router.kv_flow import Pair, Pairing
@@ -96,10 +97,11 @@ class Pipeline:
                  on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = "",
                  ec_lookup: ECLookup | None = None, on_stall: Callable[[Instance], None] | None = None,
                  check_now: Callable[[], None] | None = None, kv_router: KVRouter | None = None,
-                 metaservers: Callable[[], list[str]] | None = None):
+                 metaservers: Callable[[], list[str]] | None = None, tracer: tracing.Tracing | None = None):
         self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
         self.ec_lookup = ec_lookup
         self.encoders = Encoders(pools, settings, metrics, ec_lookup, self._encode_call)
+        self.tracing = tracer  # None: traces off
         self.on_unreachable = on_unreachable
         self.on_stall = on_stall or on_unreachable
         self.check_now = check_now or (lambda: None)
@@ -114,7 +116,13 @@ class Pipeline:
         self.kv_router = kv_router if settings.routing == "kv" else None
 
     # ---- entry -------------------------------------------------------------
-    async def handle(self, kind: str, body: dict, request_id: str) -> Reply:
+    async def handle(self, kind: str, body: dict, request_id: str, client_headers=None) -> Reply:
+        """One request; `client_headers` may carry a traceparent to continue."""
+        if self.tracing is not None:
+            return await self.tracing.handle(kind, body, request_id, client_headers, self._route)
+        return await self._route(kind, body, request_id)
+
+    async def _route(self, kind: str, body: dict, request_id: str) -> Reply:
         model = body["model"]
         known = self.pools.models()
         if known and model not in known:
@@ -194,11 +202,16 @@ class Pipeline:
         lease = pool.lease(inst, cost)
         ok = False
         try:
-            result = await self.upstream.post_json(inst.url + path, body, headers)
+            with self._hop(pool, inst) as hop:
+                result = await self.upstream.post_json(inst.url + path, body, hop.headers(headers))
             ok = True
             return result, inst
         finally:
             lease.release(ok=ok)
+
+    def _hop(self, pool: Pool, inst: Instance):
+        """This attempt's span (tracing.Hop; NO_HOP, which does nothing, when traces are off)."""
+        return tracing.NO_HOP if self.tracing is None else self.tracing.hop(pool.role, inst.url)
 
     async def _encode_call(self, body: dict, headers: dict, cost: int) -> dict:
         reply, _ = await self._with_retries(
@@ -219,6 +232,8 @@ class Pipeline:
             self.kv_router.routed(plan)
         self.metrics.observe_cached("prefill", p_reply.get("usage") if isinstance(p_reply, dict) else None)
         hold = self.pools["prefill"].lease(p_inst, 0, kv=tokens)  # P keeps the KV until D has it
+        if self.tracing is not None:
+            hold = self.tracing.hold(hold, "kv_transfer", **{"ascendserve.kv.flow": pair.flow})
         d_body = dict(body)
         d_body.pop("ec_transfer_params", None)  # D has no EC connector
         try:
@@ -274,6 +289,8 @@ class Pipeline:
         if inst is None:
             raise APIError(503, "no active prefill instance", type="service_unavailable", code="no_instance")
         hold = pool.lease(inst, tokens, kv=tokens)
+        if self.tracing is not None:  # the metaserver dispatches P when D calls back: one span to D's first byte
+            hold = self.tracing.hold(hold, "prefill", **{"ascendserve.kv.flow": "push"})
         expect = {"request_id": request_id, "path": PATHS[kind], "body": body, "prefill_url": inst.url,
                   "engine_request_ids": kv_params.engine_request_ids(kind, request_id, body)}
         try:
@@ -330,16 +347,19 @@ class Pipeline:
 
         async def attempt_stream(pool: Pool, inst: Instance):
             lease = pool.lease(inst, cost)
+            hop = self._hop(pool, inst)  # ends with the stream (tracing.RequestTrace.streamed)
             try:
-                response = await self.upstream.open_stream(inst.url + PATHS[kind], body, headers)
+                response = await self.upstream.open_stream(inst.url + PATHS[kind], body, hop.headers(headers))
                 try:
                     first = await _first_chunk(response, inst.url)
                 except BaseException:
                     response.close()
                     raise
-            except BaseException:
+            except BaseException as exc:
                 lease.release(ok=False)
+                hop.end(exc)
                 raise
+            hop.event("first_byte")
             return lease, response, first
 
         try:
@@ -433,8 +453,9 @@ class Pipeline:
         """Open one engine stream and read its first whole events; an error event first is a
         failed hop like a 5xx (retried elsewhere; a 4xx one goes to the client)."""
         lease = pool.lease(inst, cost)
+        hop = self._hop(pool, inst)  # ends with the stream, or when the leg breaks (migrate.py)
         try:
-            response = await self.upstream.open_stream(inst.url + path, body, headers)
+            response = await self.upstream.open_stream(inst.url + path, body, hop.headers(headers))
             leg = Leg(lease, response, SSEFramer())
             try:
                 evs, done, ended = await leg.next_events(self.settings.request_timeout_s)
@@ -453,9 +474,11 @@ class Pipeline:
             except BaseException:
                 response.close()
                 raise
-        except BaseException:
+        except BaseException as exc:
             lease.release(ok=False)
+            hop.end(exc)
             raise
+        hop.event("first_byte")
         return leg, evs, done
 
     def _pick(self, role: str, tried: frozenset[str]) -> Instance | None:
@@ -518,6 +541,7 @@ class Pipeline:
             raise
         except Exception as exc:  # the backend broke mid-stream
             self.metrics.errors.labels("mid_stream").inc()
+            tracing.failed(f"backend failed mid-stream: {exc!r}")
             log.warning("backend failed mid-stream", url=lease.instance.url, error=repr(exc),
                         dropped_partial_event_bytes=len(framer.held))
             yield sse_error(f"backend {lease.instance.role} instance failed mid-stream: {type(exc).__name__}")
