@@ -80,6 +80,7 @@ class Hub:
         self._polled_at = float("-inf")
         self._poll: asyncio.Task | None = None
         self.snapshots_built = 0
+        self.stopping = False
         feed.listen(self.on_event)
 
     # ---- the tick -------------------------------------------------------------------------------
@@ -137,14 +138,25 @@ class Hub:
                 self.subscribers.discard(sub)
 
     # ---- subscribers ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """End every page's stream and take no new one (the process is stopping: the server waits for
+        open responses, and an event stream never ends by itself)."""
+        self.stopping = True
+        for sub in list(self.subscribers):
+            sub.closed = True
+            sub.wake.set()
+        self.subscribers.clear()
+
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
+        sub.closed = self.stopping
         sub.frames.append(b"retry: " + str(self.retry_ms).encode() + b"\n\n")
         sub.frames.append(frame("history", msgspec.json.encode(self.source.history())))
         sub.frames.append(frame("events", msgspec.json.encode(self.feed.recent())))
         sub.frames.append(frame("snapshot", self.snapshot_json()))
         sub.wake.set()
-        self.subscribers.add(sub)
+        if not sub.closed:
+            self.subscribers.add(sub)
         return sub
 
     async def stream(self, sub: Subscriber | None = None) -> AsyncIterator[bytes]:

@@ -175,6 +175,7 @@ def create_app(config: Config) -> Litestar:
         "metrics_instances": Gauge("ascendserve_metaserver_instances", "registered instances", ["role"],
                                    registry=registry),
         "metrics_push_asks": push_asks,
+        "stop_hooks": [dashboard.hub.stop],  # web/server: end the dashboard's event streams on SIGTERM
     })
     guard = bearer_guard([config.cluster.token], "cluster token")
     protected = Router(path="/", route_handlers=[register, heartbeat, deregister, instances, expect], guards=[guard])

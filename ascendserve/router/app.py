@@ -277,7 +277,8 @@ def create_app(config: Config) -> Litestar:
                 await pipeline.tracing.close()  # what is left is exported
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
-                   "upstream": upstream, "watch": watch, "settings": settings, "dashboard": dashboard})
+                   "upstream": upstream, "watch": watch, "settings": settings, "dashboard": dashboard,
+                   "stop_hooks": [dashboard.hub.stop]})  # web/server: end the event streams on SIGTERM
     client = Router(path="/", route_handlers=[chat, completions, models],
                     guards=[bearer_guard(settings.api_keys, "API key")])
     admin = Router(path="/", route_handlers=[instances_add, instances_remove, instances_list, start_profile,

@@ -305,3 +305,31 @@ def test_metaserver_on_etcd_lists_the_registry_and_tells_joins_and_leaves(monkey
 
 async def _no_poll(urls):
     return None
+
+
+def test_stopping_ends_every_stream_and_takes_no_new_one():
+    """web/server calls the app's stop_hooks on SIGTERM: granian waits for open responses, and an
+    event stream never ends by itself."""
+    async def run():
+        hub = Hub(_Source(), EventFeed())
+        stream = hub.stream()
+        await stream.__anext__()
+        hub.stop()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        late = hub.stream()
+        with pytest.raises(StopAsyncIteration):
+            await late.__anext__()
+        assert not hub.subscribers
+
+    asyncio.run(run())
+
+
+def test_the_apps_give_the_server_their_stop_hooks():
+    from ascendserve.config import load
+    from ascendserve.metaserver.app import create_app as metaserver_app
+    from ascendserve.router.app import create_app as proxy_app
+
+    for app in (proxy_app(load("proxy", None, {}, env={})), metaserver_app(load("metaserver", None, {}, env={}))):
+        (hook,) = app.state.stop_hooks
+        assert hook.__self__.__class__ is Hub

@@ -58,7 +58,7 @@
     const errors = sum(t.errors);
     return [
       ["rps", "requests/s", p.requests_rate, (v) => num(v, 1)],
-      ["in_flight", "in flight", t.in_flight, num],
+      ["in_flight", "in flight (all hops)", t.in_flight, num],
       ["ttft", "TTFT p50 / p99", p.ttft_p50 === undefined ? null : [p.ttft_p50, p.ttft_p99], (v) => secs(v[0]) + " / " + secs(v[1])],
       ["e2e", "end-to-end p50 / p99", p.e2e_p50 === undefined ? null : [p.e2e_p50, p.e2e_p99], (v) => secs(v[0]) + " / " + secs(v[1])],
       ["itl", "inter-token", null, num],
@@ -133,8 +133,8 @@
         group.append(svg("text", { x: x[role] + 8, y: y0 + 46 }, load + (inst.active_kv ? ` · KV held ${inst.active_kv}` : "")));
         const usage = inst.kv_usage;
         g.append(group);
-        group.append(svg("rect", { class: "bar-bg", x: x[role] + 8, y: y0 + 56, width: W - 16, height: 8, rx: 2 }));
-        if (usage !== null && usage !== undefined) {
+        if (usage !== null && usage !== undefined) {  // the KV cache usage the engine reports
+          group.append(svg("rect", { class: "bar-bg", x: x[role] + 8, y: y0 + 56, width: W - 16, height: 8, rx: 2 }));
           group.append(svg("rect", { class: "bar", x: x[role] + 8, y: y0 + 56, width: Math.max(0, Math.min(1, usage)) * (W - 16), height: 8, rx: 2 }));
         }
         const title = svg("title", {}, `${inst.role} ${inst.url}: ${inst.state}; KV usage ${pct(usage)}` +
@@ -194,7 +194,7 @@
     return [["rate", "requests/s and errors/s", [["requests_rate", "requests/s"], ["errors_rate", "errors/s"]], (v) => num(v, 1)],
       ["ttft", "TTFT", [["ttft_p50", "p50"], ["ttft_p99", "p99"]], secs],
       ["e2e", "end-to-end", [["e2e_p50", "p50"], ["e2e_p99", "p99"]], secs],
-      ["inflight", "in flight", [["in_flight", "requests"]], num],
+      ["inflight", "in flight (all hops)", [["in_flight", "hops"]], num],
       ["itl", "inter-token latency", [], null]];
   }
 
