@@ -105,7 +105,7 @@ def from_proxy(client: Client) -> Snapshot:
     except Unreachable as exc:
         snap.error = str(exc)
         return snap
-    snap.ready = status == 200 and health.get("status") == "ok"
+    snap.ready = status == 200  # 503 with what is missing otherwise
     snap.missing = [str(m) for m in health.get("missing", [])] if not snap.ready else []
     if not snap.ready and not snap.missing:
         snap.missing = [str(health.get("error", {}).get("message") or f"/health answered {status}")]

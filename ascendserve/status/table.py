@@ -89,8 +89,9 @@ def _cell(column: str, row: Row) -> tuple[str, str]:
         return f"{row.kv_usage:.0%}", RED if row.kv_usage >= 0.9 else YELLOW if row.kv_usage >= 0.7 else ""
     if column == "FAILS":
         return _count(row.failures), RED if row.failures else ""
-    if column == "LAST ERROR":
-        return truncate(row.last_error) or "-", RED if row.last_error else ""
+    if column == "LAST ERROR":  # the row names the instance: its URL in the error is room lost for the reason
+        text = truncate(row.last_error.replace(row.url, "") if row.url else row.last_error)
+        return text or "-", RED if text else ""
     if column == "MODEL":
         return row.model or "-", ""
     if column == "AGE":

@@ -78,7 +78,7 @@ def proxy_instances() -> dict:
     p = pools["prefill"].instances["http://h:8001"]
     p.active_requests, p.active_kv, p.kv_usage, p.served, p.others = 3, 17, 0.375, 40, 2
     bad = pools["decode"].instances["http://h:8003"]
-    bad.failures, bad.last_error = 4, "connect failed:\n" + "x" * 200
+    bad.failures, bad.last_error = 4, "GET http://h:8003/health: connect failed:\n" + "x" * 200
     return {"instances": [i.summary() for i in pools.all_instances()]}
 
 
@@ -132,7 +132,7 @@ def test_proxy_table_has_a_row_per_instance_in_role_order(monkeypatch):
     assert prefill[4:10] == ["3", "2", "38%", "17", "40", "0"]
     assert rows[2].split()[7] == "-", "KV held for decode: prefill only"
     error = rows[3].split(None, 10)[10]
-    assert error.startswith("connect failed: xxx") and error.endswith("...") and len(error) == 60
+    assert error.startswith("GET /health: connect failed: xxx") and error.endswith("...") and len(error) == 60
     assert "\033" not in text, "no colour into a StringIO"
 
 
