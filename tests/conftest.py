@@ -158,6 +158,7 @@ NO_ENGINE_MODULES = {
     "tests/integration/test_ec_store_backends.py",
     "tests/integration/test_install_pins.py",
     "tests/integration/test_dashboard.py",  # stub engines, a proxy, a metaserver and Chromium
+    "tests/integration/test_status.py",
 }
 # Long runs without an engine, left to the full suite so --quick stays under 3 minutes: the
 # atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick), the
