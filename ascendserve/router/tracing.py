@@ -67,6 +67,19 @@ class NoHop:
 NO_HOP = NoHop()
 
 
+class Unsampled(NoHop):
+    """A hop of a request the sampler left out (OTEL_TRACES_SAMPLER): nothing is recorded, but its
+    engine is told so (the request's traceparent, sampled flag off) and samples alike."""
+
+    __slots__ = ("carrier",)
+
+    def __init__(self, carrier: dict):
+        self.carrier = carrier
+
+    def headers(self, headers: dict) -> dict:
+        return {**headers, **self.carrier}
+
+
 class Tracing:
     """The proxy's tracer provider, its exporters as OTEL_* says. Exists only when traces are on."""
 
@@ -125,7 +138,7 @@ class Tracing:
     def hold(self, lease, name: str, **attributes):
         """P's KV hold as a span that ends when the hold is released (D's first byte)."""
         trace = _request.get()
-        if trace is None:
+        if trace is None or trace.unsampled is not None:
             return lease
         return _TracedHold(lease, trace.span(name, {"ascendserve.instance": lease.instance.url, **attributes}))
 
@@ -148,6 +161,11 @@ class RequestTrace:
                         "gen_ai.request.model": str(body.get("model", "")), "ascendserve.stream": body.get("stream") is True,
                         "ascendserve.request_id": request_id, "http.response.header.x-request-id": (request_id,)})
         self.context = trace.set_span_in_context(self.root)
+        self.unsampled = None  # the sampler said no: one hop object for all, no spans made
+        if not self.root.is_recording():
+            carrier: dict = {}
+            tracing.propagator.inject(carrier, context=self.context)
+            self.unsampled = Unsampled(carrier)
         self.hops: list[Hop] = []
         self.migrations = 0
         self.error = ""
@@ -160,7 +178,9 @@ class RequestTrace:
         return self.tracing.tracer.start_span(name, context=self.context, attributes=attributes,
                                               kind=kind or self.tracing.api.SpanKind.INTERNAL)
 
-    def hop(self, role: str, url: str) -> Hop:
+    def hop(self, role: str, url: str) -> Hop | Unsampled:
+        if self.unsampled is not None:
+            return self.unsampled
         hop = Hop(self, self.span(HOP_NAMES.get(role, role), {"ascendserve.role": role, "server.address": url},
                                   self.tracing.api.SpanKind.CLIENT))
         self.hops.append(hop)

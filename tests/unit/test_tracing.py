@@ -202,3 +202,29 @@ def test_a_client_gone_an_error_before_the_stream_and_one_in_it(traced):
     pd, d = [s for s in memory.get_finished_spans() if s.name == "decode"]
     assert pd.end_time <= roots["gone"].end_time and pd.status.status_code.name == "UNSET"
     assert d.status.status_code.name == "ERROR" and d.end_time <= roots["broken"].end_time
+
+
+def test_a_request_the_sampler_leaves_out_records_nothing_and_says_so(monkeypatch):
+    pytest.importorskip("opentelemetry.sdk.trace")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ascendserve.router.tracing import Tracing
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")  # the SDK reads its sampler itself
+    tracing = Tracing(otel_env.Traces((), "http/protobuf", ""), {})
+    memory = InMemorySpanExporter()
+    tracing.provider.add_span_processor(SimpleSpanProcessor(memory))
+    sent = []
+
+    async def route(kind, body, request_id):
+        for role in ("prefill", "decode"):
+            with tracing.hop(role, "http://x") as hop:
+                sent.append(hop.headers({"x-request-id": request_id}))
+        return Reply(body={})
+
+    asyncio.run(tracing.handle("completions", {"model": "m"}, "r", None, route))
+    tracing.provider.shutdown()
+    assert memory.get_finished_spans() == ()
+    assert len({h["traceparent"] for h in sent}) == 1
+    assert int(sent[0]["traceparent"].split("-")[3], 16) & 1 == 0  # the sampled flag off
