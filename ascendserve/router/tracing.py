@@ -18,7 +18,8 @@ span: encoder_fallback, encoder_skipped, migration. A client's own traceparent i
 
 Each hop's request carries W3C `traceparent` (and `tracestate`) naming the hop's span, so
 an engine started with --otlp-traces-endpoint (the engine roles pass it: otel_env.vllm_args)
-hangs vLLM's spans under it.
+hangs vLLM's spans under it. A request the sampler (OTEL_TRACES_SAMPLER) leaves out makes no
+spans but its request's traceparent, sampled flag off, still goes to every engine.
 
 Off (the default) this module imports no opentelemetry: the pipeline holds `tracing = None`
 and pays an attribute check per hop (NO_HOP's methods do nothing).
@@ -84,6 +85,7 @@ class Tracing:
     """The proxy's tracer provider, its exporters as OTEL_* says. Exists only when traces are on."""
 
     def __init__(self, settings: otel_env.Traces, env: Mapping[str, str]):
+        from opentelemetry import context, trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -97,9 +99,7 @@ class Tracing:
             self.provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_*
         self.tracer = self.provider.get_tracer("ascendserve.router", __version__)
         self.propagator = TraceContextTextMapPropagator()  # W3C, what vLLM reads (vllm/tracing)
-        from opentelemetry import context, trace
-
-        self.api, self.context_api = trace, context
+        self.api, self.context_api = trace, context  # the API's modules, for the spans made here
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Tracing | None:
