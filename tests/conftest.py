@@ -290,7 +290,7 @@ MODULE_SECONDS = {  # the module's test seconds on one of two workers, fixtures 
     "tests/integration/test_etcd_registry.py": 25,  # measured alone, 2026-12-05
     "tests/integration/test_pd_role.py": 34,
     "tests/fuzz/test_decoders.py": 31,
-    "tests/integration/test_load.py": 27,
+    "tests/integration/test_load.py": 40,  # + 10 s: 1,500 streams with a dashboard page open (2026-12-05)
     "tests/unit/test_vllm_patches.py": 22,
     "tests/integration/test_security.py": 18,
     "tests/integration/test_dashboard.py": 38,  # measured alone, 2026-12-05

@@ -80,14 +80,18 @@ class Hub:
         self._polled_at = float("-inf")
         self._poll: asyncio.Task | None = None
         self.snapshots_built = 0
+        self.cpu_s = 0.0  # CPU time of the ticks (readings, snapshots, fan-out), shown on the page
         self.stopping = False
         feed.listen(self.on_event)
 
     # ---- the tick -------------------------------------------------------------------------------
     async def run(self) -> None:
+        next_at = time.monotonic()
         try:
             while True:
-                await asyncio.sleep(self.interval_s - (time.monotonic() % self.interval_s))
+                # on a fixed schedule (a timer that fires a little early must not give two ticks)
+                next_at = max(next_at + self.interval_s, time.monotonic())
+                await asyncio.sleep(next_at - time.monotonic())
                 self.tick()
         finally:
             if self._poll is not None:
@@ -97,6 +101,7 @@ class Hub:
                 sub.wake.set()
 
     def tick(self) -> None:
+        started = time.thread_time()
         self._ticks += 1
         try:
             self.source.record()
@@ -112,6 +117,8 @@ class Hub:
                 self._poll = asyncio.ensure_future(self._poll_source())
         except Exception:  # the dashboard must never take the process down
             log.exception("dashboard tick failed")
+        finally:
+            self.cpu_s += time.thread_time() - started  # the event loop's thread: this tick's own CPU
 
     async def _poll_source(self) -> None:
         try:
@@ -123,7 +130,9 @@ class Hub:
         """The snapshot, built at most once per `interval_s` (shared by every page and request)."""
         now = time.monotonic()
         if fresh or not self._snapshot or now - self._snapshot_at >= self.interval_s:
-            self._snapshot = msgspec.json.encode(self.source.snapshot())
+            cost = {"cpu_ms": round(self.cpu_s * 1000, 1), "pages": len(self.subscribers),
+                    "snapshots": self.snapshots_built + 1}
+            self._snapshot = msgspec.json.encode({**self.source.snapshot(), "dashboard": cost})
             self._snapshot_at = now
             self.snapshots_built += 1
         return self._snapshot

@@ -253,6 +253,7 @@ def test_hub_sends_history_events_snapshot_then_shares_one_snapshot_per_tick():
         got = _frames(await streams[0].__anext__())
         assert [k for k, _ in got] == ["snapshot", "event"] and got[1][1]["kind"] == "ejected"
         assert got[0][1]["text"] == "line\nbreak"
+        assert got[0][1]["dashboard"]["pages"] == 50 and got[0][1]["dashboard"]["cpu_ms"] >= 0
         hub.snapshot_json()
         assert source.built == built + 1  # asked again within the second: the cached one
         for s in streams:

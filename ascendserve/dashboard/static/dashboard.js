@@ -330,7 +330,9 @@
     const ready = $("readiness");
     ready.hidden = !s.missing.length;
     ready.textContent = s.missing.join("; ");
-    $("not-measured").textContent = s.not_measured.length ? "Not measured: " + s.not_measured.join("; ") + "." : "";
+    const cost = s.dashboard ? ` This dashboard: ${s.dashboard.pages} page(s) open, ${s.dashboard.cpu_ms} ms of CPU in ` +
+      `${s.dashboard.snapshots} snapshots since the process started.` : "";
+    $("not-measured").textContent = (s.not_measured.length ? "Not measured: " + s.not_measured.join("; ") + "." : "") + cost;
     addPoint(s.point);
     renderTiles(s);
     renderGraph(s);
