@@ -6,6 +6,7 @@
     ascendserve model tiny --kind text|vl|moe|mla --out DIR   random-weight checkpoint
     ascendserve launch --role ROLE --dp-size N ...    data-parallel ranks of one role
     ascendserve doctor [--peers host:port,...] [--npu-peers IP,...]   pre-flight check of this host
+    ascendserve status --proxy URL | --metaserver URL | --etcd URL... [--watch [S]] [--json]   cluster state
 
 This module imports neither torch nor vLLM: control-plane roles and --help
 must start in well under a second.
@@ -65,7 +66,8 @@ def _role_parser(role: str | None) -> argparse.ArgumentParser:
                      "Run one role of a disaggregated LLM serving cluster.\n\nroles:\n" + roles_help
                      + "\n\nother commands:\n  version\n  model tiny --kind text|vl|moe|mla --out DIR"
                      "\n  launch --role ROLE --dp-size N [--dp-size-local L ...]   data-parallel ranks"
-                     "\n  doctor [--peers host:port,...] [--npu-peers IP,...]     pre-flight check"),
+                     "\n  doctor [--peers host:port,...] [--npu-peers IP,...]     pre-flight check"
+                     "\n  status --proxy URL | --metaserver URL | --etcd URL... [--watch] [--json]   cluster state"),
         epilog="Every flag has an environment twin: --port <-> ASCENDSERVE_PORT. "
                "Precedence: defaults < --config file < environment < flags.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -158,5 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         from ascendserve.doctor import main as doctor
 
         sys.exit(doctor(argv[1:]))
+    if argv[:1] == ["status"]:
+        from ascendserve.status import main as status
+
+        sys.exit(status(argv[1:]))
     sys.exit(_run_role(argv, command_line))
 

@@ -106,12 +106,15 @@ apt_packages() {
     # memcached: the EC store backend and its tests.
     # etcd-server: the etcd registry backend's tests (a 3-member cluster on 127.0.0.1) and `all` on etcd.
     # systemd: systemd-analyze, which verifies the release's units (tests).
+    # chromium, chromium-driver: the dashboard's browser test (headless Chromium driven by Selenium).
     # cmake, ninja-build, g++: the native/ ops.
     local missing=()
     dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
     command -v memcached >/dev/null 2>&1 || missing+=(memcached)
     command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
     command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
     command -v cmake >/dev/null 2>&1 || missing+=(cmake)
     command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
     command -v g++ >/dev/null 2>&1 || missing+=(g++)

@@ -157,6 +157,8 @@ NO_ENGINE_MODULES = {
     "tests/integration/test_doctor.py",
     "tests/integration/test_ec_store_backends.py",
     "tests/integration/test_install_pins.py",
+    "tests/integration/test_dashboard.py",  # stub engines, a proxy, a metaserver and Chromium
+    "tests/integration/test_status.py",
 }
 # Long runs without an engine, left to the full suite so --quick stays under 3 minutes: the
 # atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick), the
@@ -288,9 +290,10 @@ MODULE_SECONDS = {  # the module's test seconds on one of two workers, fixtures 
     "tests/integration/test_etcd_registry.py": 25,  # measured alone, 2026-12-05
     "tests/integration/test_pd_role.py": 34,
     "tests/fuzz/test_decoders.py": 31,
-    "tests/integration/test_load.py": 27,
+    "tests/integration/test_load.py": 40,  # + 10 s: 1,500 streams with a dashboard page open (2026-12-05)
     "tests/unit/test_vllm_patches.py": 22,
     "tests/integration/test_security.py": 18,
+    "tests/integration/test_dashboard.py": 38,  # measured alone, 2026-12-05
 }
 
 

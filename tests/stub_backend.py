@@ -18,7 +18,8 @@ also listens on the remote_port it names and counts the connections made to it (
 proxy's FREE of a hold: `side_channel_connections`). --fail-status N: every generation
 request is answered N (a dead D); --first-event-error: every stream answers 200 and an error
 event first. With return_token_ids a stream carries token ids as vLLM's do (made-up ones).
-`last_kv_transfer_params` is what the last request carried.
+`last_kv_transfer_params` is what the last request carried, `last_traceparent` its W3C
+traceparent header (None without one).
 GET /stub/stats returns the counters (and `peak_active`, the most streams open at
 once); POST /stub/reset clears them. A reset body {"gate": N} makes every stream
 wait after its first token until N streams are open at once (or --gate-timeout-s
@@ -134,6 +135,7 @@ class Stub:
         self.stats["last_ec_transfer_params"] = body.get("ec_transfer_params")
         role, kv = self.args.role, body.get("kv_transfer_params") or {}
         self.stats["last_kv_transfer_params"] = body.get("kv_transfer_params")
+        self.stats["last_traceparent"] = headers.get(b"traceparent", b"").decode() or None
         chat = path.endswith("chat/completions")
         rid = headers.get(b"x-request-id", b"").decode() or f"stub{next(self.ids)}"
         if self.args.fail_status:

@@ -16,7 +16,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ascendserve.config import Config, ConfigError, redact_args
+from ascendserve import otel_env
+from ascendserve.config import Config, ConfigError, environ, redact_args
 from ascendserve.discovery.etcd import EtcdSettings
 from ascendserve.engine.host_defaults import engine_dtype, memory_args, process_env
 from ascendserve.engine.kv_args import kv_env, kv_transfer_config
@@ -162,7 +163,8 @@ def passthrough_args(config: Config) -> list[str]:
     return args
 
 
-def build_argv(config: Config) -> list[str]:
+def build_argv(config: Config, env: dict[str, str] | None = None) -> list[str]:
+    """`env`: the process environment (config.environ()), for the standard OTEL_* variables."""
     e = config.engine
     dtype = engine_dtype(config)  # read once: the KV size depends on it
     argv = [
@@ -183,7 +185,9 @@ def build_argv(config: Config) -> list[str]:
     if e.enforce_eager:
         argv.append("--enforce-eager")
     user = passthrough_args(config)
-    return argv + parallel_args(config) + role_args(config) + events_args(config, user) + user
+    # vLLM's own spans go where the proxy's do, under the traceparent each hop carries
+    traces = otel_env.vllm_args(environ() if env is None else env, user)
+    return argv + parallel_args(config) + role_args(config) + events_args(config, user) + traces + user
 
 
 def parallel_args(config: Config) -> list[str]:
@@ -259,6 +263,7 @@ def prepare_environment(config: Config) -> dict[str, str]:
         **({"ASCENDSERVE_REGISTRY_PASSWORD": config.registry.password} if config.registry.password else {}),
         **kv_env(config),
         **events_env(config, passthrough_args(config)),
+        **otel_env.vllm_env(environ()),
         **process_env(),
     }
 

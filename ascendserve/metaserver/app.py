@@ -9,6 +9,8 @@ Push mode:
     POST /v1/metaserver/expect    (cluster token; the proxy)  -> {"ticket": T}
     POST /v1/metaserver?ticket=T  (decode instances; the ticket is the credential) -> {"status": "ok"} once P is done
 Ops (open): GET /health, GET /metrics
+Dashboard: GET /dashboard (+ /dashboard/events, SSE): the registry; open on loopback, elsewhere a
+    cluster-token login (ascendserve/dashboard/)
 Bodies over proxy.max_body_mb get 413 on every route (/expect carries the client's request).
 """
 
@@ -24,6 +26,7 @@ from litestar.datastructures import State
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from ascendserve.config import Config
+from ascendserve.dashboard.dashboard import Dashboard
 from ascendserve.metaserver.push import PushDispatcher, PushError
 from ascendserve.metaserver.registry import Registry
 from ascendserve.protocol.kv_params import PushPrefillRequest
@@ -152,25 +155,32 @@ def create_app(config: Config) -> Litestar:
     async def lifespan(app: Litestar):
         await upstream.start()
         sweeper = asyncio.ensure_future(_sweep(app.state, min(1.0, ms.heartbeat_timeout_s / 3)))
+        live = asyncio.ensure_future(dashboard.run())
         try:
             yield
         finally:
             sweeper.cancel()
+            live.cancel()
+            await asyncio.gather(live, return_exceptions=True)
             await upstream.close()
 
     registry = CollectorRegistry(auto_describe=True)
+    instances_ = Registry(ms.heartbeat_timeout_s)
+    push_asks = Counter("ascendserve_metaserver_push_asks", "decode callbacks", registry=registry)
+    dashboard = Dashboard.for_metaserver(config, instances_, upstream, push_asks)
     state = State({
-        "registry": Registry(ms.heartbeat_timeout_s),
+        "registry": instances_,
         "push": PushDispatcher(post_json, ms.push_expect_ttl_s),
         "metrics_registry": registry,
         "metrics_instances": Gauge("ascendserve_metaserver_instances", "registered instances", ["role"],
                                    registry=registry),
-        "metrics_push_asks": Counter("ascendserve_metaserver_push_asks", "decode callbacks", registry=registry),
+        "metrics_push_asks": push_asks,
+        "stop_hooks": [dashboard.hub.stop],  # web/server: end the dashboard's event streams on SIGTERM
     })
     guard = bearer_guard([config.cluster.token], "cluster token")
     protected = Router(path="/", route_handlers=[register, heartbeat, deregister, instances, expect], guards=[guard])
     return Litestar(
-        route_handlers=[protected, metaserver, health, metrics],
+        route_handlers=[protected, metaserver, health, metrics, dashboard.router],
         state=state,
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -1,9 +1,14 @@
-"""Live engine instances, each on a heartbeat deadline."""
+"""Live engine instances, each on a heartbeat deadline.
+
+`on_change(kind, registration)` hears every change of the set (the dashboard's event feed):
+joined, restarted (registered again while still registered: a new process at the same id),
+left (deregistered), expired (missed its heartbeat deadline)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ascendserve.protocol.registry import InstanceView, Load, Registration, RegistryView
 
@@ -21,6 +26,7 @@ class Registry:
         self.clock = clock
         self.revision = 0
         self._entries: dict[str, _Entry] = {}
+        self.on_change: Callable[[str, Registration], None] = lambda kind, reg: None
 
     def register(self, reg: Registration) -> None:
         now = self.clock()
@@ -28,6 +34,7 @@ class Registry:
         self._entries[reg.instance_id] = _Entry(reg, old.registered_at if old else now, now + self.timeout)
         if old is None or old.reg.url != reg.url or old.reg.role != reg.role or old.reg.model != reg.model:
             self.revision += 1
+        self.on_change("joined" if old is None else "restarted", reg)
 
     def heartbeat(self, instance_id: str, load: Load) -> bool:
         entry = self._entries.get(instance_id)
@@ -37,10 +44,12 @@ class Registry:
         entry.deadline = self.clock() + self.timeout
         return True
 
-    def remove(self, instance_id: str) -> bool:
-        if self._entries.pop(instance_id, None) is None:
+    def remove(self, instance_id: str, why: str = "left") -> bool:
+        entry = self._entries.pop(instance_id, None)
+        if entry is None:
             return False
         self.revision += 1
+        self.on_change(why, entry.reg)
         return True
 
     def expire(self) -> list[str]:
@@ -48,8 +57,13 @@ class Registry:
         now = self.clock()
         gone = [i for i, e in self._entries.items() if e.deadline < now]
         for instance_id in gone:
-            self.remove(instance_id)
+            self.remove(instance_id, "expired")
         return gone
+
+    def silent_s(self) -> dict[str, float]:
+        """Seconds since each instance's last registration or heartbeat."""
+        now = self.clock()
+        return {i: max(0.0, now - (e.deadline - self.timeout)) for i, e in self._entries.items()}
 
     def view(self, role: str | None = None) -> RegistryView:
         now = self.clock()

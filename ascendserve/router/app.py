@@ -6,6 +6,8 @@ Ops:     GET /health (per role; 503 saying what is missing until every role the 
          GET /healthcheck (vllm-ascend's counts), GET /metrics (Prometheus)
 Admin:   POST /instances/add, POST /instances/remove (vllm-ascend bodies), GET /instances,
          POST /start_profile, /stop_profile, /reset_prefix_cache (fan-out)
+Dashboard: GET /dashboard (+ /dashboard/events, SSE): open on loopback, elsewhere a cluster-token login
+         (ascendserve/dashboard/)
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from ascendserve.config import Config, ConfigError, instance_url
+from ascendserve.config import Config, ConfigError, environ, instance_url
+from ascendserve.dashboard.dashboard import Dashboard
+from ascendserve.dashboard.events import compose
 from ascendserve.protocol.openai import APIError, error_body, parse
 from ascendserve.protocol.wire import decode_json
 from ascendserve.discovery.etcd import EtcdSettings
@@ -33,6 +37,7 @@ from ascendserve.router.ec import ECLookup
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
 from ascendserve.router.pools import ACTIVE, ROLES, Pools, Readiness
+from ascendserve.router.tracing import Tracing
 from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
 from ascendserve.web.body_limit import body_limit
@@ -49,7 +54,7 @@ async def _serve(kind: str, request: Request, state: State) -> Response | Stream
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         try:
             body = parse(await request.body(), kind)
-            reply = await state.pipeline.handle(kind, body, request_id)
+            reply = await state.pipeline.handle(kind, body, request_id, request.headers)
         except APIError as exc:
             state.metrics.requests.labels(kind, str(exc.status)).inc()
             state.metrics.errors.labels("client" if exc.status < 500 else "backend").inc()
@@ -157,6 +162,7 @@ async def instances_add(request: Request, state: State) -> dict:
     role, urls = _admin_body(await request.body())
     for url in urls:
         state.pools[role].add(url, source="admin")
+        state.dashboard.feed.add("added", role, url, "probing", "through /instances/add")
     state.health.wake()
     log.info("instances added (probing)", role=role, urls=urls)
     return {"message": f"Instances {urls} are waiting to be added.", **_current(state.pools)}
@@ -170,6 +176,8 @@ async def instances_remove(request: Request, state: State) -> dict:
         inst = state.pools[role].drain(url)
         if inst is not None and inst.active_requests:
             draining.append(url)
+        if inst is not None:
+            state.dashboard.feed.add("draining", role, url, inst.state, "through /instances/remove")
     log.info("instances removed", role=role, urls=urls, draining=draining)
     message = (f"Instances {draining} are isolated and waiting to be removed." if draining
                else f"remove {role} instances: {urls}.")
@@ -232,6 +240,8 @@ def create_app(config: Config) -> Litestar:
         metrics_.watch_kv(events)
     health_ = HealthMonitor(pools, upstream, settings, *((follow_states(events), lambda: sync(events, pools))
                                                          if events is not None else ()))
+    dashboard = Dashboard.for_proxy(config, pools, metrics_, upstream)
+    health_.on_state = compose(health_.on_state, dashboard.feed.on_state)  # beside the KV index's hook
     watch = None
     static = [config.cluster.metaserver_url.rstrip("/")] if config.cluster.metaserver_url else []
     if config.registry.backend == "etcd":
@@ -240,16 +250,20 @@ def create_app(config: Config) -> Litestar:
         watch = MetaserverWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,
                                 settings.registry_poll_s, settings.health_timeout_s,
                                 2 * config.metaserver.heartbeat_timeout_s)
+    if watch is not None:
+        watch.on_event = dashboard.feed.on_registry  # joins, leaves, restarts: the dashboard's feed
     pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
                         config.cluster.metaserver_url, config.cluster.token,
                         ECLookup.from_config(config.ec, settings.mm_hash_algorithm), health_.suspect,
                         health_.wake, kv_router,
-                        metaservers=(lambda: watch.metaservers or static) if config.registry.backend == "etcd" else None)
+                        metaservers=(lambda: watch.metaservers or static) if config.registry.backend == "etcd" else None,
+                        tracer=Tracing.from_env(environ()))  # None unless OTEL_* turns traces on
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar):
         await upstream.start()
         tasks = [asyncio.ensure_future(health_.run())]
+        tasks.append(asyncio.ensure_future(dashboard.run()))
         if watch is not None:
             tasks.append(asyncio.ensure_future(watch.run()))
         try:
@@ -263,16 +277,19 @@ def create_app(config: Config) -> Litestar:
             await upstream.close()
             if pipeline.ec_lookup is not None:
                 pipeline.ec_lookup.close()
+            if pipeline.tracing is not None:
+                await pipeline.tracing.close()  # what is left is exported
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
-                   "upstream": upstream, "watch": watch, "settings": settings})
+                   "upstream": upstream, "watch": watch, "settings": settings, "dashboard": dashboard,
+                   "stop_hooks": [dashboard.hub.stop]})  # web/server: end the event streams on SIGTERM
     client = Router(path="/", route_handlers=[chat, completions, models],
                     guards=[bearer_guard(settings.api_keys, "API key")])
     admin = Router(path="/", route_handlers=[instances_add, instances_remove, instances_list, start_profile,
                                              stop_profile, reset_prefix_cache],
                    guards=[bearer_guard([config.cluster.token], "cluster token")])
     return Litestar(
-        route_handlers=[client, admin, healthcheck, health, metrics],
+        route_handlers=[client, admin, healthcheck, health, metrics, dashboard.router],
         state=state,
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -44,6 +44,7 @@ class RegistryWatch:
         self.reachable = True
         self.where = ""  # for readiness messages
         self.metaservers: list[str] = []  # push mode: the metaservers the registry knows
+        self.on_event = lambda kind, inst, detail="": None  # joined, suspect, registered, draining, restarted
 
     async def run(self) -> None:
         raise NotImplementedError
@@ -59,9 +60,13 @@ class RegistryWatch:
             if known is None or (known.state == DRAINING and known.source == "registry"):
                 known = self.pools[role].add(url, source="registry", instance_id=info.instance_id)
                 log.info("instance joined through the registry", role=role, url=url, instance=info.instance_id)
+                self.on_event("joined", known, info.instance_id)
                 added = True
             if known.source != "registry":
                 continue
+            if info.instance_id and known.instance_id and info.instance_id != known.instance_id:
+                self.on_event("restarted", known, f"instance id {known.instance_id} -> {info.instance_id}")
+                known.instance_id = info.instance_id
             if info.kv is not None:
                 known.kv = info.kv
             if info.cache is not None:
@@ -72,6 +77,7 @@ class RegistryWatch:
                 if known.state == SUSPECT:
                     self.pools[role].set_state(known, ACTIVE)
                     log.info("instance registered again", role=role, url=url)
+                    self.on_event("active", known, "registered again")
         self.review()
         if added:
             self.health.wake()
@@ -98,15 +104,18 @@ class RegistryWatch:
                     self.pools[inst.role].set_state(inst, ACTIVE)
                     log.info("instance answers though its registration lapsed; routed to again", role=inst.role,
                              url=inst.url)
+                    self.on_event("active", inst, "answers though its registration lapsed")
                 continue
             silent_s = now - max(inst.missing_since, inst.last_ok)
             if silent_s >= self.forget_after_s or inst.state == PROBING:
                 self.pools[inst.role].drain(inst.url)
                 log.info("instance left the registry and stays silent; draining", role=inst.role, url=inst.url)
+                self.on_event("draining", inst, "left the registry and stays silent")
             elif inst.state == ACTIVE:
                 self.pools[inst.role].set_state(inst, SUSPECT)
                 log.warning("instance left the registry; no new requests until it answers", role=inst.role,
                             url=inst.url)
+                self.on_event("suspect", inst, "left the registry")
                 wake = True
         if wake:
             self.health.wake()

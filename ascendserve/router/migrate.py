@@ -21,6 +21,7 @@ import msgspec
 import structlog
 
 from ascendserve.protocol.openai import APIError
+from ascendserve.router import tracing
 from ascendserve.router.ledger import BackendFailed, Ledger, encode, events
 from ascendserve.router.pools import EJECTED, Instance, Lease
 
@@ -109,6 +110,7 @@ class Generation:
                 except BackendFailed as failure:
                     inst = self.leg.instance
                     self.leg.close(ok=False)
+                    tracing.leg_failed(failure.reason, failure.detail)
                     self.failed_at = time.monotonic()
                     if failure.reason == "stall":
                         self.on_stall(inst)
@@ -146,6 +148,7 @@ class Generation:
 
     def _fail(self, message: str) -> None:
         self.error = message
+        tracing.failed(message)
         self.metrics.errors.labels("mid_stream").inc()
         log.warning("backend failed mid-stream", request_id=self.request_id, url=self.leg.instance.url,
                     detail=message[:300], tokens=len(self.ledger.generated))
@@ -237,6 +240,7 @@ class Generation:
         led = self.ledger
         # any live instance but the one that just failed (one that failed earlier may serve again:
         # a dead one is ejected by its health check by then)
+        tracing.migration(reason, failed.url, len(led.generated))
         self.leg, self.pending, self.pending_done = await self.open_leg(self.role, led.continuation(),
                                                                         frozenset({failed.url}))
         self.metrics.migrations.labels(self.role, reason).inc()

@@ -3,14 +3,8 @@
 Life cycle of a request (each hop picks the least-loaded instance of its
 role and holds a Lease on it for exactly as long as it uses it):
 
-    encode     only when the request has multimodal parts and encoders exist;
-               skipped when the EC store already holds every item (the proxy
-               hashes them as vLLM does). `single` sends the request once,
-               `fanout` one request per item, concurrently. max_tokens=1: the
-               encoder only publishes the EC; its ec_transfer_params go on to
-               P/PD, which wait briefly for items still being saved.
-               All encoders down -> PD/P encode locally (`encoder_fallback=local`)
-               or 503 (`fail`). An encoder's 4xx (bad image) goes to the client.
+    encode     only when the request has multimodal parts and encoders exist
+               (router/encode.py); its ec_transfer_params go on to P/PD.
     prefill    by the KV connector P and D run (router/kv_flow.py; P and D of
                different connectors are never paired). pull/named/store: P
                computes the prompt with max_tokens=1 (pull: P returns
@@ -23,7 +17,8 @@ role and holds a Lease on it for exactly as long as it uses it):
                failure after it ends the stream with an OpenAI error event.
 
 Retries: connection errors and 5xx, with exponential backoff, preferring an
-instance not tried yet; never on 4xx.
+instance not tried yet; never on 4xx. Traces (router/tracing.py, when OTEL_* turns them
+on): a span per attempt at a hop (`_hop`), its traceparent on the engine's request.
 """
 
 from __future__ import annotations
@@ -40,13 +35,11 @@ from ascendserve.config import ProxyConfig
 from ascendserve.connectors.transport.channel import free_remote
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.wire import decode_json
-from ascendserve.protocol.openai import (APIError, error_body, estimated_tokens, max_new_tokens, mm_parts,
-                                         only_part)
-from ascendserve.connectors.ec.memcached import StoreError
-from ascendserve.router import kv_flow, ledger
+from ascendserve.protocol.openai import APIError, error_body, estimated_tokens, max_new_tokens
+from ascendserve.router import kv_flow, ledger, tracing
 from ascendserve.router.ec import ECLookup
+from ascendserve.router.encode import Encoders
 from ascendserve.router.kv_flow import Pair, Pairing
-from ascendserve.router.media import encoder_tokens, image_size, part_url
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.kv_route import KVRouter, Plan
 from ascendserve.router.migrate import Generation, Leg
@@ -104,10 +97,11 @@ class Pipeline:
                  on_unreachable: Callable[[Instance], None], metaserver_url: str = "", cluster_token: str = "",
                  ec_lookup: ECLookup | None = None, on_stall: Callable[[Instance], None] | None = None,
                  check_now: Callable[[], None] | None = None, kv_router: KVRouter | None = None,
-                 metaservers: Callable[[], list[str]] | None = None):
+                 metaservers: Callable[[], list[str]] | None = None, tracer: tracing.Tracing | None = None):
         self.pools, self.upstream, self.settings, self.metrics = pools, upstream, settings, metrics
         self.ec_lookup = ec_lookup
-        self._roots_warned = False
+        self.encoders = Encoders(pools, settings, metrics, ec_lookup, self._encode_call)
+        self.tracing = tracer  # None: traces off
         self.on_unreachable = on_unreachable
         self.on_stall = on_stall or on_unreachable
         self.check_now = check_now or (lambda: None)
@@ -122,7 +116,13 @@ class Pipeline:
         self.kv_router = kv_router if settings.routing == "kv" else None
 
     # ---- entry -------------------------------------------------------------
-    async def handle(self, kind: str, body: dict, request_id: str) -> Reply:
+    async def handle(self, kind: str, body: dict, request_id: str, client_headers=None) -> Reply:
+        """One request; `client_headers` may carry a traceparent to continue."""
+        if self.tracing is not None:
+            return await self.tracing.handle(kind, body, request_id, client_headers, self._route)
+        return await self._route(kind, body, request_id)
+
+    async def _route(self, kind: str, body: dict, request_id: str) -> Reply:
         model = body["model"]
         known = self.pools.models()
         if known and model not in known:
@@ -131,7 +131,7 @@ class Pipeline:
         headers = {"x-request-id": request_id}
         tokens = estimated_tokens(body)
         if kind == "chat":
-            ec_params = await self._encode(body, headers)
+            ec_params = await self.encoders.run(body, headers)
             if ec_params:
                 body = dict(body, ec_transfer_params=ec_params)
         disaggregated = self.pools.has_active("prefill") and self.pools.has_active("decode")
@@ -218,95 +218,20 @@ class Pipeline:
         lease = pool.lease(inst, cost)
         ok = False
         try:
-            result = await self.upstream.post_json(inst.url + path, body, headers)
+            with self._hop(pool, inst) as hop:
+                result = await self.upstream.post_json(inst.url + path, body, hop.headers(headers))
             ok = True
             return result, inst
         finally:
             lease.release(ok=ok)
 
-    # ---- encode ------------------------------------------------------------
-    async def _encode(self, body: dict, headers: dict) -> dict | None:
-        """Run the encoder hop if needed; the encoders' ec_transfer_params for P/PD."""
-        parts = mm_parts(body)
-        if not parts:
-            return None
-        self._check_sizes([p for _, _, p in parts])
-        if await self._all_in_store([p for _, _, p in parts], headers["x-request-id"]):
-            return None
-        if not self.pools.has_active("encoder"):
-            if self.pools["encoder"].instances:  # encoders exist, none is healthy
-                self._fallback("no healthy encoder")
-            return None
-        if self.settings.encoder_dispatch == "fanout" and len(parts) > 1:
-            jobs = [(only_part(body, i, j), [p]) for i, j, p in parts]
-        else:
-            jobs = [(body, [p for _, _, p in parts])]
-        try:
-            replies = await asyncio.gather(*(self._encode_one(b, items, headers) for b, items in jobs))
-        except APIError as exc:
-            if exc.status < 500:
-                raise
-            self._fallback(exc.message)
-            return None
-        merged: dict = {}
-        for reply in replies:
-            params = reply.get("ec_transfer_params") if isinstance(reply, dict) else None
-            if isinstance(params, dict):
-                merged.update(params)
-        return merged or None
+    def _hop(self, pool: Pool, inst: Instance):
+        """This attempt's span (tracing.Hop; NO_HOP, which does nothing, when traces are off)."""
+        return tracing.NO_HOP if self.tracing is None else self.tracing.hop(pool.role, inst.url)
 
-    def _fallback(self, why: str) -> None:
-        """The encoder hop cannot run: P/PD encode the items themselves, or 503 (`encoder_fallback=fail`)."""
-        if self.settings.encoder_fallback == "fail":
-            raise APIError(503, f"encoder unavailable: {why[:200]}", type="service_unavailable",
-                           code="encoder_unavailable")
-        self.metrics.fallbacks.inc()
-        log.warning("encoder unavailable; the next instance encodes locally", detail=why[:200])
-
-    def _check_sizes(self, parts: list[dict]) -> None:
-        """Refuse images whose header claims more pixels than the engines accept, before any hop."""
-        for part in parts:
-            size = image_size(part_url(part))
-            if size and size[0] * size[1] > self.settings.max_image_pixels:
-                raise APIError(400, f"image of {size[0]}x{size[1]} pixels is above the limit of "
-                               f"{self.settings.max_image_pixels} pixels", param="messages", code="image_too_large")
-
-    async def _all_in_store(self, parts: list[dict], request_id: str) -> bool:
-        if self.ec_lookup is None:
-            return False
-        model_id = self.pools.model_root(("pd", "prefill", "encoder"))
-        encoder_root = self.pools.model_root(("encoder",))
-        if encoder_root and model_id and encoder_root != model_id and not self._roots_warned:
-            self._roots_warned = True
-            log.warning("encoders and P/PD serve different model paths; vLLM's mm_hash includes the path, "
-                        "so no encoder output can ever be reused: start them with the same --model path",
-                        encoder=encoder_root, consumer=model_id)
-        hashes = self.ec_lookup.hashes(parts, model_id) if model_id else None
-        if not hashes:
-            return False
-        try:
-            present = await self.ec_lookup.present(hashes)
-        except (StoreError, asyncio.TimeoutError) as exc:
-            self.metrics.ec_store_errors.inc()
-            if self.settings.encoder_fallback == "fail":
-                raise APIError(503, f"EC store unavailable: {str(exc)[:200]}", type="service_unavailable",
-                               code="ec_store_unavailable") from None
-            log.warning("EC store unreachable; asking the encoder (P/PD encode if they cannot reach it either)",
-                        detail=str(exc)[:200])
-            return False
-        if len(present) < len(set(hashes)):
-            return False
-        self.metrics.encoder_skips.inc()
-        log.info("every item is in the EC store; encoder hop skipped", items=len(hashes))
-        return True
-
-    async def _encode_one(self, body: dict, items: list[dict], headers: dict) -> dict:
-        e_body = dict(body, max_tokens=1, stream=False)
-        e_body.pop("max_completion_tokens", None)
-        e_body.pop("stream_options", None)
-        cost = encoder_tokens(items)
+    async def _encode_call(self, body: dict, headers: dict, cost: int) -> dict:
         reply, _ = await self._with_retries(
-            "encoder", lambda pool, inst: self._post_leased(pool, inst, PATHS["chat"], e_body, headers, cost))
+            "encoder", lambda pool, inst: self._post_leased(pool, inst, PATHS["chat"], body, headers, cost))
         return reply
 
     # ---- prefill (pull) -----------------------------------------------------
@@ -323,6 +248,8 @@ class Pipeline:
             self.kv_router.routed(plan)
         self.metrics.observe_cached("prefill", p_reply.get("usage") if isinstance(p_reply, dict) else None)
         hold = self.pools["prefill"].lease(p_inst, 0, kv=tokens)  # P keeps the KV until D has it
+        if self.tracing is not None:
+            hold = self.tracing.hold(hold, "kv_transfer", **{"ascendserve.kv.flow": pair.flow})
         d_body = dict(body)
         d_body.pop("ec_transfer_params", None)  # D has no EC connector
         try:
@@ -378,6 +305,8 @@ class Pipeline:
         if inst is None:
             raise APIError(503, "no active prefill instance", type="service_unavailable", code="no_instance")
         hold = pool.lease(inst, tokens, kv=tokens)
+        if self.tracing is not None:  # the metaserver dispatches P when D calls back: one span to D's first byte
+            hold = self.tracing.hold(hold, "prefill", **{"ascendserve.kv.flow": "push"})
         expect = {"request_id": request_id, "path": PATHS[kind], "body": body, "prefill_url": inst.url,
                   "engine_request_ids": kv_params.engine_request_ids(kind, request_id, body)}
         try:
@@ -434,16 +363,19 @@ class Pipeline:
 
         async def attempt_stream(pool: Pool, inst: Instance):
             lease = pool.lease(inst, cost)
+            hop = self._hop(pool, inst)  # ends with the stream (tracing.RequestTrace.streamed)
             try:
-                response = await self.upstream.open_stream(inst.url + PATHS[kind], body, headers)
+                response = await self.upstream.open_stream(inst.url + PATHS[kind], body, hop.headers(headers))
                 try:
                     first = await _first_chunk(response, inst.url)
                 except BaseException:
                     response.close()
                     raise
-            except BaseException:
+            except BaseException as exc:
                 lease.release(ok=False)
+                hop.end(exc)
                 raise
+            hop.event("first_byte")
             return lease, response, first
 
         try:
@@ -537,8 +469,9 @@ class Pipeline:
         """Open one engine stream and read its first whole events; an error event first is a
         failed hop like a 5xx (retried elsewhere; a 4xx one goes to the client)."""
         lease = pool.lease(inst, cost)
+        hop = self._hop(pool, inst)  # ends with the stream, or when the leg breaks (migrate.py)
         try:
-            response = await self.upstream.open_stream(inst.url + path, body, headers)
+            response = await self.upstream.open_stream(inst.url + path, body, hop.headers(headers))
             leg = Leg(lease, response, SSEFramer())
             try:
                 evs, done, ended = await leg.next_events(self.settings.request_timeout_s)
@@ -557,9 +490,11 @@ class Pipeline:
             except BaseException:
                 response.close()
                 raise
-        except BaseException:
+        except BaseException as exc:
             lease.release(ok=False)
+            hop.end(exc)
             raise
+        hop.event("first_byte")
         return leg, evs, done
 
     def _pick(self, role: str, tried: frozenset[str]) -> Instance | None:
@@ -622,6 +557,7 @@ class Pipeline:
             raise
         except Exception as exc:  # the backend broke mid-stream
             self.metrics.errors.labels("mid_stream").inc()
+            tracing.failed(f"backend failed mid-stream: {exc!r}")
             log.warning("backend failed mid-stream", url=lease.instance.url, error=repr(exc),
                         dropped_partial_event_bytes=len(framer.held))
             yield sse_error(f"backend {lease.instance.role} instance failed mid-stream: {type(exc).__name__}")

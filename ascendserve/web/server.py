@@ -8,6 +8,9 @@ HTTP/1.1 only: granian's protocol sniffing for HTTP/2 waits for a first byte
 with no deadline, so silent connections would hold their slot for ever.
 Bodies are limited by the app (`request_max_body_size`). HTTPS when
 `tls_cert`/`tls_key` are set (checked at config load).
+On SIGTERM/SIGINT the server stops taking connections and waits for the requests in flight (a
+generation finishes); a response that never ends by itself (the dashboard's event stream) is ended
+first by the app's `state.stop_hooks`, called before the server stops.
 """
 
 from __future__ import annotations
@@ -40,9 +43,16 @@ def granian_options(settings: ServerConfig) -> dict:
 
 async def serve(app, settings: ServerConfig) -> None:
     server = Server(app, **granian_options(settings))
+    hooks = list(getattr(getattr(app, "state", None), "stop_hooks", None) or ())
+
+    def stop() -> None:
+        for hook in hooks:
+            hook()
+        server.stop()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.stop)
+        loop.add_signal_handler(sig, stop)
     await server.serve()
 
 

@@ -105,6 +105,12 @@ PUBLIC = {  # probes and scrapes: open on purpose, nothing of the cluster's
 }
 CLIENT = {"proxy": {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")}}
 TICKET = {"metaserver": {("POST", "/v1/metaserver")}}  # the push callback: its one-request ticket is the key
+# the dashboard: open to loopback clients (these tests'), a cluster-token login elsewhere (tests/unit/
+# test_dashboard_access.py; from another address in tests/integration/test_dashboard.py)
+_DASHBOARD = {("GET", "/dashboard"), ("GET", "/dashboard/events"), ("GET", "/dashboard/snapshot"),
+              ("GET", "/dashboard/login"), ("POST", "/dashboard/login"), ("POST", "/dashboard/logout"),
+              ("GET", "/dashboard/static/name")}
+DASHBOARD = {"proxy": _DASHBOARD, "metaserver": _DASHBOARD}
 BODY_IGNORED = {"/start_profile", "/stop_profile", "/reset_prefix_cache"}  # fan-outs that never read a body
 
 
@@ -137,7 +143,8 @@ def test_every_route_refuses_a_missing_or_wrong_credential(plane, role):
     base = plane[role].url
     routes = route_table(role)
     assert PUBLIC[role] <= routes and CLIENT.get(role, set()) <= routes and TICKET.get(role, set()) <= routes
-    internal = routes - PUBLIC[role] - CLIENT.get(role, set()) - TICKET.get(role, set())
+    assert DASHBOARD.get(role, set()) <= routes
+    internal = routes - PUBLIC[role] - CLIENT.get(role, set()) - TICKET.get(role, set()) - DASHBOARD.get(role, set())
     assert internal, "no internal route found: is the route table read right?"
     wrong_token = [bearer(WRONG), {"x-cluster-token": WRONG}, bearer(API_KEY), bearer(TOKEN + "x"), bearer(TOKEN[:-1]),
                    {"authorization": f"Basic {TOKEN}"}]
@@ -154,6 +161,9 @@ def test_every_route_refuses_a_missing_or_wrong_credential(plane, role):
             assert r.status_code not in (401, 403), (method, path, r.status_code, r.text)
         for method, path in sorted(PUBLIC[role]):
             assert http.request(method, base + path).status_code in (200, 503), (method, path)
+        if role in DASHBOARD:  # a loopback client: no credential needed (the event stream never ends: not read)
+            assert http.get(base + "/dashboard").status_code == 200
+            assert http.get(base + "/dashboard/snapshot").json()["kind"] == role
 
 
 def test_engine_admin_routes_need_the_token_and_the_proxy_fan_out_sends_it(plane):

@@ -165,6 +165,11 @@ def test_all_mono_serves_from_the_bundle_and_stops_clean(release, clean_env, tmp
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["text"]
+        # the dashboard's page, script and style ship in the tarball (package data, no CDN)
+        for path, needle in (("/dashboard", "dashboard.js"), ("/dashboard/static/dashboard.js", "EventSource"),
+                             ("/dashboard/static/dashboard.css", "--active")):
+            r = httpx.get(url + path, timeout=10)
+            assert r.status_code == 200 and needle in r.text, (path, r.status_code, r.text[:200])
 
         everything = psutil.Process(proc.pid).children(recursive=True)
         assert len(everything) >= 4  # metaserver, engine (+ vLLM's engine core), proxy

@@ -297,3 +297,23 @@ def test_build_key_ignores_ascendserve_itself_and_is_stable(tmp_path):
     assert key.inputs(repo, "2", "0.1.0", "cpu") != first  # the bundle format is in the key
     (repo / "ascendserve" / "mod.py").write_text("import json\nX = 1\n")
     assert key.inputs(repo, "1", "0.1.0", "cpu") == first
+
+
+# --- package data ----------------------------------------------------------
+
+def test_every_file_the_package_ships_beside_its_code_is_package_data():
+    """A wheel carries only .py files and what [tool.setuptools.package-data] names: the
+    dashboard's page, script and style must be among them (the tarball copies every file of
+    ascendserve/, build.sh). A new asset outside the globs fails here."""
+    import fnmatch
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    tracked = subprocess.run(["git", "ls-files", "ascendserve", "roles"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assets = [f for f in tracked if not f.endswith(".py")]
+    assert "ascendserve/dashboard/static/dashboard.js" in assets
+    for path in assets:
+        covered = any(path.startswith(package.replace(".", "/") + "/")
+                      and fnmatch.fnmatch(path[len(package) + 1:], pattern)
+                      for package, patterns in data.items() for pattern in patterns)
+        assert covered, f"{path} is not package data (pyproject.toml [tool.setuptools.package-data])"

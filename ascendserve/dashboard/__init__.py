@@ -1,0 +1,1 @@
+"""The live cluster dashboard of the proxy and the metaserver (`/dashboard`)."""
