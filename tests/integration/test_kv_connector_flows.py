@@ -29,8 +29,9 @@ def healthy(proxy) -> None:
     wait_until(lambda: httpx.get(proxy.url + "/health").status_code == 200, 30, "proxy never healthy")
 
 
-def cluster(tmp_path, connector: str, *d_extra: str, children: str = "", push: bool = False):
-    """Stub P and D of `connector` behind a proxy (and a metaserver for push flows)."""
+def cluster(tmp_path, connector: str, *d_extra: str, children: str = "", push: bool = False, ready: bool = True):
+    """Stub P and D of `connector` behind a proxy (and a metaserver for push flows); `ready`: wait
+    until the proxy's /health is 200."""
     kv = ["--kv-connector", connector, *(["--kv-connectors", children] if children else [])]
     p = stub("prefill", tmp_path, *kv)
     d = stub("decode", tmp_path, "--require-kv", *kv, *d_extra)
@@ -45,7 +46,8 @@ def cluster(tmp_path, connector: str, *d_extra: str, children: str = "", push: b
                     "--prefill", f"127.0.0.1:{p.port}", "--decode", f"127.0.0.1:{d.port}")
     procs.append(proxy)
     start_all(proxy)
-    healthy(proxy)
+    if ready:
+        healthy(proxy)
     return proxy, p, d, procs
 
 
@@ -116,8 +118,12 @@ def test_push_flows_ask_decode_first_and_the_metaserver_dispatches_prefill(tmp_p
 
 
 def test_a_push_connector_without_a_metaserver_is_a_clear_503(tmp_path):
-    proxy, p, d, procs = cluster(tmp_path, "ascend-layerwise")
+    proxy, p, d, procs = cluster(tmp_path, "ascend-layerwise", ready=False)
     try:
+        # not ready, and /health says why (it said 200 before, while every request got this 503)
+        wait_until(lambda: "no metaserver known" in str(httpx.get(proxy.url + "/health").json().get("missing")),
+                   30, "the proxy's /health never named the missing metaserver")
+        assert httpx.get(proxy.url + "/health").status_code == 503
         r = httpx.post(proxy.url + "/v1/completions", json=COMPLETION, timeout=30)
         assert r.status_code == 503 and "--metaserver-url" in r.json()["error"]["message"]
         assert stats(p)["requests"] == stats(d)["requests"] == 0
