@@ -10,6 +10,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ascendserve.router.pools import Pools
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1,
+               2.5, 5)
 
 
 class _PoolCollector:
@@ -83,6 +85,9 @@ class ProxyMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("ascendserve_proxy_e2e_seconds", "end-to-end request latency",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ascendserve_proxy_itl_seconds", "inter-token latency of streamed requests: per "
+                             "request, the mean gap between its streamed tokens after the first ((end - first "
+                             "token) / (tokens - 1))", buckets=ITL_BUCKETS, registry=r)
         self.kv_routing = Counter("ascendserve_proxy_kv_routing", "pd/prefill choices by the engines' cached "
                                   "blocks (by=kv) or by load, and why (single, unknown, unsupported, no_token_ids, "
                                   "short, unhashable)", ["role", "by"], registry=r)
@@ -111,6 +116,12 @@ class ProxyMetrics:
 
     def observe_done(self, started: float) -> None:
         self.e2e.observe(time.monotonic() - started)
+
+    def observe_itl(self, first: float | None, tokens: int) -> None:
+        """A streamed request ended: its first token came at `first` (monotonic) and it streamed
+        `tokens` tokens (one gap fewer)."""
+        if first is not None and tokens >= 2:
+            self.itl.observe((time.monotonic() - first) / (tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

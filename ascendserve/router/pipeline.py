@@ -522,12 +522,16 @@ class Pipeline:
     async def _relay_generation(self, gen: Generation, started: float, kind: str, request_id: str,
                                 plan: Plan | None = None):
         outcome = "backend_failed"
+        first = None
         try:
             async for out in gen.run():
+                if first is None:
+                    first = time.monotonic()
                 yield out
             if not gen.error:
                 outcome = "ok"
                 self.metrics.observe_done(started)
+                self.metrics.observe_itl(first, len(gen.ledger.generated))
                 self._answered(gen.role, plan, gen.ledger.engine_usage, gen.ledger.prompt_ids)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
@@ -542,15 +546,21 @@ class Pipeline:
         ok = False
         outcome = "backend_failed"
         framer = SSEFramer()
+        # vLLM streams a token per chunk: chunks with a choice (not the usage chunk, not [DONE]) stand for tokens
+        first_at, chunks = time.monotonic(), 0
         try:
             if whole := framer.feed(first):
+                chunks += whole.count(CHOICE)
                 yield whole
             async for chunk in response.content.iter_any():
                 if whole := framer.feed(chunk):
+                    chunks += whole.count(CHOICE)
                     yield whole
             if rest := framer.flush():
+                chunks += rest.count(CHOICE)
                 yield rest
             ok, outcome = True, "ok"
+            self.metrics.observe_itl(first_at, chunks)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
             self.metrics.cancelled.inc()
@@ -569,6 +579,9 @@ class Pipeline:
             log.info("request", request_id=request_id, route=kind, status=200, stream=True,
                      backend=lease.instance.url, outcome=outcome,
                      duration_ms=round((time.monotonic() - started) * 1000, 2))
+
+
+CHOICE = b'"choices":[{'  # in a streamed chunk as vLLM writes it (compact JSON)
 
 
 async def _first_chunk(response, url: str) -> bytes:

@@ -138,6 +138,12 @@ def test_page_loads_clean_and_shows_what_metrics_say(cluster, page, tmp_path):
     finally:
         for t in held:
             t.join(30)
+    # a streamed request: its inter-token latency reaches the page (p50, p99 over the last 10 s)
+    r = httpx.post(proxy.url + "/v1/completions", json={"model": "stub-model", "prompt": "hi", "max_tokens": 5,
+                                                         "stream": True}, timeout=60)
+    assert r.status_code == 200 and "[DONE]" in r.text
+    assert metrics(proxy)["ascendserve_proxy_itl_seconds_count"][()] >= 1
+    browser.wait_until(lambda: tile(page, "itl") not in ("", "[null,null]"), 5, "no inter-token latency shown")
     assert browser.console_errors(page) == []
 
 

@@ -164,6 +164,30 @@ def test_metrics_and_health(pd_cluster):
     assert health["status"] == "ok" and health["roles"]["decode"]["healthy"] == 2
 
 
+def _itl(proxy) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    family = next(f for f in text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
+                  if f.name == "ascendserve_proxy_itl_seconds")
+    values = {s.name: s.value for s in family.samples}
+    return values["ascendserve_proxy_itl_seconds_count"], values["ascendserve_proxy_itl_seconds_sum"]
+
+
+def test_streams_are_timed_per_token(pd_cluster):
+    """Inter-token latency, once per streamed request, on both relays: the ledger's (migratable
+    requests) and the plain one (echo cannot migrate). The stub waits 5 ms before each token."""
+    proxy = pd_cluster[0]
+    count, total = _itl(proxy)
+    base = {"model": "stub-model", "prompt": "timed", "max_tokens": 8}
+    for body in (dict(base, stream=True), dict(base, stream=True, echo=True), dict(base)):
+        r = httpx.post(proxy.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+    after, after_total = _itl(proxy)
+    assert after == count + 2  # the two streams, not the plain request
+    mean = (after_total - total) / 2
+    assert 0.004 <= mean <= 0.5, mean  # 5 ms a token; coarse above (a loaded host)
+
+
 @pytest.mark.parametrize("migration_limit", [3, 0])
 def test_sigkill_decode_mid_stream(tmp_path, migration_limit):
     """Streams on the killed instance continue on the survivor (one answer of all 200 tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -19,7 +20,7 @@ from ascendserve.metaserver.registry import Registry
 from ascendserve.protocol.registry import Load, Registration
 from ascendserve.router.discovery import RegistryWatch
 from ascendserve.router.health import HealthMonitor
-from ascendserve.router.metrics import LATENCY_BUCKETS, ProxyMetrics
+from ascendserve.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, ProxyMetrics
 from ascendserve.router.pools import ACTIVE, EJECTED, Pools
 from ascendserve.protocol.registry import InstanceView, RegistryView
 
@@ -126,7 +127,7 @@ def test_proxy_snapshot_equals_its_metrics():
     assert (t["requests"], t["ok"], t["failed"], t["in_flight"]) == (3, 2, 1, 2)
     assert t["errors"] == {"backend": 1} and t["retries"] == {"decode": 2} and t["migrations"] == {"stall": 1}
     assert t["ec_hit_rate"] == pytest.approx(3 / 4)  # 3 skips, 1 fallback, no encoder call
-    assert snap["topology"] == "P → D (pull)" and "inter-token" in snap["not_measured"][0]
+    assert snap["topology"] == "P → D (pull)" and snap["not_measured"] == []
     text = metrics.render().decode()  # the same figures as /metrics
     assert 'ascendserve_proxy_in_flight{instance="http://p:1",role="prefill"} 1.0' in text
     assert 'ascendserve_proxy_requests_total{route="completions",status="200"} 2.0' in text
@@ -145,6 +146,23 @@ def test_proxy_history_charts_ttft_percentiles():
     assert point["requests_rate"] == 20.0
     assert LATENCY_BUCKETS[2] < point["ttft_p50"] <= LATENCY_BUCKETS[3]  # 0.03 lies in (0.025, 0.05]
     assert point["e2e_p50"] is None  # nothing observed
+
+
+def test_proxy_history_charts_inter_token_latency():
+    """A streamed request's mean gap between tokens after the first, in finer buckets than TTFT."""
+    _, metrics, source = _proxy()
+    clock = iter(range(1000, 1100))
+    source.clock = lambda: float(next(clock))
+    source.record()
+    first = time.monotonic() - 0.18  # 10 tokens, the first 180 ms ago: 20 ms a gap
+    for _ in range(5):
+        metrics.observe_itl(first, 10)
+    metrics.observe_itl(first, 1)  # one token: no gap
+    metrics.observe_itl(None, 10)  # never streamed a token
+    source.record()
+    assert metrics.itl._sum.get() == pytest.approx(5 * 0.02, rel=0.25)
+    point = source.series.point()
+    assert ITL_BUCKETS[4] < point["itl_p50"] <= ITL_BUCKETS[6]  # about 0.02: in (0.015, 0.025]
 
 
 def test_registry_instances_show_the_engines_load():

@@ -61,7 +61,7 @@
       ["in_flight", "in flight (all hops)", t.in_flight, num],
       ["ttft", "TTFT p50 / p99", p.ttft_p50 === undefined ? null : [p.ttft_p50, p.ttft_p99], (v) => secs(v[0]) + " / " + secs(v[1])],
       ["e2e", "end-to-end p50 / p99", p.e2e_p50 === undefined ? null : [p.e2e_p50, p.e2e_p99], (v) => secs(v[0]) + " / " + secs(v[1])],
-      ["itl", "inter-token", null, num],
+      ["itl", "inter-token p50 / p99", p.itl_p50 === undefined ? null : [p.itl_p50, p.itl_p99], (v) => secs(v[0]) + " / " + secs(v[1])],
       ["requests", "requests", t.requests, num],
       ["errors", "errors", errors, num],
       ["retries", "retries", sum(t.retries), num],
@@ -86,7 +86,7 @@
     for (const [key, , value, fmt] of specs) {
       const node = $("tile-" + key);
       const missing = value === null || value === undefined;
-      node.textContent = missing ? (key === "itl" ? "not measured" : key === "kv_gbps" ? "not reported" : "—") : fmt(value);
+      node.textContent = missing ? (key === "kv_gbps" ? "not reported" : "—") : fmt(value);
       node.className = missing ? "value na" : "value";
       node.dataset.value = missing ? "" : JSON.stringify(value);
     }
@@ -195,7 +195,7 @@
       ["ttft", "TTFT", [["ttft_p50", "p50"], ["ttft_p99", "p99"]], secs],
       ["e2e", "end-to-end", [["e2e_p50", "p50"], ["e2e_p99", "p99"]], secs],
       ["inflight", "in flight (all hops)", [["in_flight", "hops"]], num],
-      ["itl", "inter-token latency", [], null]];
+      ["itl", "inter-token latency (streams)", [["itl_p50", "p50"], ["itl_p99", "p99"]], secs]];
   }
 
   const COLORS = ["#3f7fcf", "#cf7a3f", "#8a5fc9"];
