@@ -2,7 +2,7 @@
 price of mid-stream migration: --migration-limit 0 turns it off) vs vllm-ascend's example proxy
 vs vllm-router; the proxy's CPU per request beside each.
 
-    python -m bench.proxy [--duration 5] [--concurrency 1 16 64]
+    python -m bench.proxy [--duration 5] [--concurrency 1 16 64 256]
         [--vllm-ascend-proxy FILE | --vllm-ascend-repo GITDIR] [--vllm-router BIN]
 
 Fast stub P and D instances (tests/stub_backend.py, no model) stand behind
@@ -116,10 +116,10 @@ def vllm_router(args, tmp: Path, p: Proc, d: Proc) -> Proc | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=5.0)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--vllm-ascend-proxy", default="")
     ap.add_argument("--vllm-ascend-repo", default="/work/.mirror/vllm-project+vllm-ascend/repo")
-    ap.add_argument("--vllm-router", default="/tmp/vr/venv/bin/vllm-router")
+    ap.add_argument("--vllm-router", default="/root/.venvs/vllm-router/bin/vllm-router")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as t:
