@@ -273,7 +273,7 @@ def _parsed(data: bytes) -> tuple[list[dict], bool]:
 
 
 def _error_event(message: str) -> bytes:
-    from ascendserve.router.pipeline import sse_error
+    from ascendserve.router.sse import sse_error
 
     return sse_error(message)
 

@@ -12,8 +12,9 @@ role and holds a Lease on it for exactly as long as it uses it):
                has produced its first byte (D has the blocks by then).
                push: skipped here; D asks the metaserver, which dispatches P.
     decode     the client's request (plus kv_transfer_params) to D or PD.
-               Streaming: the response is committed only after D's first chunk,
-               so every failure before it is retried on another instance; a
+               Streaming (router/sse.py; the ledger's relay: router/migrate.py):
+               the response is committed only after D's first chunk, so every
+               failure before it is retried on another instance; a
                failure after it ends the stream with an OpenAI error event.
 
 Retries: connection errors and 5xx, with exponential backoff, preferring an
@@ -35,8 +36,8 @@ from ascendserve.config import ProxyConfig
 from ascendserve.connectors.transport.channel import free_remote
 from ascendserve.protocol import kv_params
 from ascendserve.protocol.wire import decode_json
-from ascendserve.protocol.openai import APIError, error_body, estimated_tokens, max_new_tokens
-from ascendserve.router import kv_flow, ledger, tracing
+from ascendserve.protocol.openai import APIError, estimated_tokens, max_new_tokens
+from ascendserve.router import kv_flow, ledger, sse, tracing
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.encode import Encoders
 from ascendserve.router.kv_flow import Pair, Pairing
@@ -60,36 +61,6 @@ class Reply:
     body: dict | None = None
     stream: AsyncIterator[bytes] | None = None
     backend: str = ""
-
-
-class SSEFramer:
-    """Passes a backend's SSE bytes on in whole events only (up to the last blank line), so a
-    backend that dies mid-event never leaves the client half an event before our error event.
-    An event longer than `max_held` is passed on as it comes (the bound on what is held)."""
-
-    def __init__(self, max_held: int = 1 << 20):
-        self.held = b""
-        self.max_held = max_held
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self.held + chunk if self.held else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0 and len(data) <= self.max_held:
-            self.held = data
-            return b""
-        end = len(data) if cut < 0 else cut + 2
-        self.held = data[end:]
-        return data[:end]
-
-    def flush(self) -> bytes:
-        """What the backend sent after its last whole event, at a clean end of the stream."""
-        out, self.held = self.held, b""
-        return out
-
-
-def sse_error(message: str, code: int = 502) -> bytes:
-    event = msgspec.json.encode(error_body(message, "server_error", None, str(code)))
-    return b"data: " + event + b"\n\ndata: [DONE]\n\n"
 
 
 class Pipeline:
@@ -367,7 +338,7 @@ class Pipeline:
             try:
                 response = await self.upstream.open_stream(inst.url + PATHS[kind], body, hop.headers(headers))
                 try:
-                    first = await _first_chunk(response, inst.url)
+                    first = await sse.first_chunk(response, inst.url)
                 except BaseException:
                     response.close()
                     raise
@@ -388,7 +359,7 @@ class Pipeline:
         if on_first_byte:
             on_first_byte()
         self.metrics.ttft.observe(time.monotonic() - started)
-        return Reply(stream=self._relay(lease, response, first, started, kind, headers["x-request-id"]),
+        return Reply(stream=sse.relay(self.metrics, lease, response, first, started, kind, headers["x-request-id"]),
                      backend=lease.instance.url)
 
     # ---- a generation that survives its instance (router/ledger.py, router/migrate.py) ----
@@ -472,7 +443,7 @@ class Pipeline:
         hop = self._hop(pool, inst)  # ends with the stream, or when the leg breaks (migrate.py)
         try:
             response = await self.upstream.open_stream(inst.url + path, body, hop.headers(headers))
-            leg = Leg(lease, response, SSEFramer())
+            leg = Leg(lease, response, sse.SSEFramer())
             try:
                 evs, done, ended = await leg.next_events(self.settings.request_timeout_s)
                 while not evs and not done and not ended:
@@ -541,57 +512,6 @@ class Pipeline:
             log.info("request", request_id=request_id, route=kind, status=200, stream=True,
                      backend=gen.leg.instance.url, outcome=outcome, migrations=gen.ledger.migrations,
                      duration_ms=round((time.monotonic() - started) * 1000, 2))
-
-    async def _relay(self, lease: Lease, response, first: bytes, started: float, kind: str, request_id: str):
-        ok = False
-        outcome = "backend_failed"
-        framer = SSEFramer()
-        # vLLM streams a token per chunk: chunks with a choice (not the usage chunk, not [DONE]) stand for tokens
-        first_at, chunks = time.monotonic(), 0
-        try:
-            if whole := framer.feed(first):
-                chunks += whole.count(CHOICE)
-                yield whole
-            async for chunk in response.content.iter_any():
-                if whole := framer.feed(chunk):
-                    chunks += whole.count(CHOICE)
-                    yield whole
-            if rest := framer.flush():
-                chunks += rest.count(CHOICE)
-                yield rest
-            ok, outcome = True, "ok"
-            self.metrics.observe_itl(first_at, chunks)
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "client_disconnected"
-            self.metrics.cancelled.inc()
-            raise
-        except Exception as exc:  # the backend broke mid-stream
-            self.metrics.errors.labels("mid_stream").inc()
-            tracing.failed(f"backend failed mid-stream: {exc!r}")
-            log.warning("backend failed mid-stream", url=lease.instance.url, error=repr(exc),
-                        dropped_partial_event_bytes=len(framer.held))
-            yield sse_error(f"backend {lease.instance.role} instance failed mid-stream: {type(exc).__name__}")
-        finally:
-            response.close()  # on cancellation this aborts the request on the backend
-            lease.release(ok=ok)
-            if ok:
-                self.metrics.observe_done(started)
-            log.info("request", request_id=request_id, route=kind, status=200, stream=True,
-                     backend=lease.instance.url, outcome=outcome,
-                     duration_ms=round((time.monotonic() - started) * 1000, 2))
-
-
-CHOICE = b'"choices":[{'  # in a streamed chunk as vLLM writes it (compact JSON)
-
-
-async def _first_chunk(response, url: str) -> bytes:
-    try:
-        chunk = await response.content.readany()
-    except Exception as exc:
-        raise UpstreamError(url, None, f"stream broke before the first byte: {exc!r}") from None
-    if not chunk:
-        raise UpstreamError(url, None, "stream ended before the first byte")
-    return chunk
 
 
 def _client_message(exc: UpstreamError) -> str:

@@ -1,10 +1,10 @@
-"""The proxy relays a backend's stream in whole SSE events (router/pipeline.SSEFramer)."""
+"""The proxy relays a backend's stream in whole SSE events (router/sse.SSEFramer)."""
 
 from __future__ import annotations
 
 import random
 
-from ascendserve.router.pipeline import SSEFramer
+from ascendserve.router.sse import SSEFramer
 
 EVENTS = [b'data: {"choices": [{"text": "a\\u2028b"}]}\n\n', b'data: {"choices": [{"text": "c"}]}\n\n',
           b"data: [DONE]\n\n"]

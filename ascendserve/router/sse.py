@@ -1,0 +1,103 @@
+"""A backend's SSE stream on its way to the client: whole events only (SSEFramer), the error event
+the proxy writes when a backend breaks, and the plain relay of requests the ledger does not follow
+(they cannot migrate: n > 1, echo, structured output, tools; or migration_limit = 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import structlog
+
+from ascendserve.protocol.openai import error_body
+from ascendserve.router import tracing
+from ascendserve.router.metrics import ProxyMetrics
+from ascendserve.router.pools import Lease
+from ascendserve.web.upstream import UpstreamError
+
+log = structlog.get_logger("ascendserve.router")
+CHOICE = b'"choices":[{'  # in a streamed chunk as vLLM writes it (compact JSON)
+
+
+class SSEFramer:
+    """Passes a backend's SSE bytes on in whole events only (up to the last blank line), so a
+    backend that dies mid-event never leaves the client half an event before our error event.
+    An event longer than `max_held` is passed on as it comes (the bound on what is held)."""
+
+    def __init__(self, max_held: int = 1 << 20):
+        self.held = b""
+        self.max_held = max_held
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.held + chunk if self.held else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0 and len(data) <= self.max_held:
+            self.held = data
+            return b""
+        end = len(data) if cut < 0 else cut + 2
+        self.held = data[end:]
+        return data[:end]
+
+    def flush(self) -> bytes:
+        """What the backend sent after its last whole event, at a clean end of the stream."""
+        out, self.held = self.held, b""
+        return out
+
+
+def sse_error(message: str, code: int = 502) -> bytes:
+    event = msgspec.json.encode(error_body(message, "server_error", None, str(code)))
+    return b"data: " + event + b"\n\ndata: [DONE]\n\n"
+
+
+async def first_chunk(response, url: str) -> bytes:
+    try:
+        chunk = await response.content.readany()
+    except Exception as exc:
+        raise UpstreamError(url, None, f"stream broke before the first byte: {exc!r}") from None
+    if not chunk:
+        raise UpstreamError(url, None, "stream ended before the first byte")
+    return chunk
+
+
+async def relay(metrics: ProxyMetrics, lease: Lease, response, first: bytes, started: float, kind: str,
+                request_id: str) -> AsyncIterator[bytes]:
+    """A backend's stream to the client as it comes, in whole events (a request the ledger does not
+    follow: it cannot migrate); an error event if the backend breaks mid-stream."""
+    ok = False
+    outcome = "backend_failed"
+    framer = SSEFramer()
+    # vLLM streams a token per chunk: chunks with a choice (not the usage chunk, not [DONE]) stand for tokens
+    first_at, chunks = time.monotonic(), 0
+    try:
+        if whole := framer.feed(first):
+            chunks += whole.count(CHOICE)
+            yield whole
+        async for chunk in response.content.iter_any():
+            if whole := framer.feed(chunk):
+                chunks += whole.count(CHOICE)
+                yield whole
+        if rest := framer.flush():
+            chunks += rest.count(CHOICE)
+            yield rest
+        ok, outcome = True, "ok"
+        metrics.observe_itl(first_at, chunks)
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "client_disconnected"
+        metrics.cancelled.inc()
+        raise
+    except Exception as exc:  # the backend broke mid-stream
+        metrics.errors.labels("mid_stream").inc()
+        tracing.failed(f"backend failed mid-stream: {exc!r}")
+        log.warning("backend failed mid-stream", url=lease.instance.url, error=repr(exc),
+                    dropped_partial_event_bytes=len(framer.held))
+        yield sse_error(f"backend {lease.instance.role} instance failed mid-stream: {type(exc).__name__}")
+    finally:
+        response.close()  # on cancellation this aborts the request on the backend
+        lease.release(ok=ok)
+        if ok:
+            metrics.observe_done(started)
+        log.info("request", request_id=request_id, route=kind, status=200, stream=True,
+                 backend=lease.instance.url, outcome=outcome,
+                 duration_ms=round((time.monotonic() - started) * 1000, 2))
