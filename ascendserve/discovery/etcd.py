@@ -139,7 +139,7 @@ class EtcdSettings:
                 "tls_key": self.tls_key}
 
 
-def _auth_expired(status: int, message: str) -> bool:
+def auth_expired(status: int, message: str) -> bool:
     return status == 401 or "auth token" in message or "invalid auth" in message
 
 
@@ -161,7 +161,7 @@ class Etcd:
             try:
                 return self._post_any(path, body)
             except EtcdError as exc:
-                if attempt == 0 and self.settings.username and _auth_expired(exc.status, str(exc)):
+                if attempt == 0 and self.settings.username and auth_expired(exc.status, str(exc)):
                     self._token = ""
                     continue
                 raise

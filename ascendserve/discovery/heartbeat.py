@@ -44,7 +44,10 @@ class MetaserverRegistrar:
         """Keep `body` registered; True when this call (re)registered it."""
         if self.registered:
             try:
-                self._post("heartbeat", {"instance_id": body["instance_id"], "load": body["load"]})
+                beat = {"instance_id": body["instance_id"]}
+                if "load" in body:  # none when the Heartbeat runs with_load=False: the metaserver's default
+                    beat["load"] = body["load"]
+                self._post("heartbeat", beat)
                 return False
             except urllib.error.HTTPError as exc:
                 if exc.code != 404:

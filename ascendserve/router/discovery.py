@@ -250,7 +250,7 @@ class EtcdWatch(RegistryWatch):
                 return r
             text = (await r.read()).decode(errors="replace")
             r.release()
-            if attempt == 0 and self.settings.username and etcd_api._auth_expired(r.status, text):
+            if attempt == 0 and self.settings.username and etcd_api.auth_expired(r.status, text):
                 self._token = ""
                 continue
             raise etcd_api.EtcdError(f"{path}: {r.status} {text[:200]}", r.status)
