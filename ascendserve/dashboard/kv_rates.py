@@ -17,6 +17,8 @@ import re
 import time
 from typing import Awaitable, Callable
 
+from ascendserve.web.upstream import UpstreamError
+
 _SAMPLE = re.compile(rb"^ascendserve:kv_transfer_(bytes_total|seconds_sum)(?:\{[^}]*\})?\s+([0-9.eE+-]+)",
                      re.MULTILINE)
 
@@ -32,6 +34,19 @@ def parse(text: bytes) -> tuple[float, float] | None:
         except ValueError:
             continue
     return (found[b"bytes_total"], found[b"seconds_sum"]) if seen else None
+
+
+def metrics_reader(upstream) -> Callable[[str], Awaitable[bytes | None]]:
+    """An engine's /metrics text through `upstream` (web/upstream.Upstream), None when it does not
+    answer 200 within 2 s: what both dashboards poll."""
+    async def read(url: str) -> bytes | None:
+        try:
+            status, raw = await upstream.get(url, 2.0, {"accept-encoding": "identity"})
+        except UpstreamError:
+            return None
+        return raw if status == 200 else None
+
+    return read
 
 
 class KVRates:

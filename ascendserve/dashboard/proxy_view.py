@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-from ascendserve.dashboard.kv_rates import KVRates
+from ascendserve.dashboard.kv_rates import KVRates, metrics_reader
 from ascendserve.dashboard.series import History, Reading, buckets, by_label, total
 from ascendserve.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, ProxyMetrics
 from ascendserve.router.pools import DRAINING, ROLES, Instance, Pools
-from ascendserve.web.upstream import Upstream, UpstreamError
+from ascendserve.web.upstream import Upstream
 
 MISSING: list[str] = []  # figures the page has a place for that this proxy cannot measure
 
@@ -45,7 +45,7 @@ class ProxySource:
         self.mode, self.encoders_required, self.clock = mode, encoders_required, clock
         self.started = clock()
         self.series = History({"ttft": LATENCY_BUCKETS, "itl": ITL_BUCKETS, "e2e": LATENCY_BUCKETS})
-        self.kv = KVRates(self._metrics_text)
+        self.kv = KVRates(metrics_reader(upstream))
 
     # ---- the charts -----------------------------------------------------------------------------
     def record(self) -> None:
@@ -101,10 +101,3 @@ class ProxySource:
     async def poll(self) -> None:
         urls = [i.url for r in ("prefill", "decode") for i in self.pools[r].instances.values() if i.state != DRAINING]
         await self.kv.poll(urls)
-
-    async def _metrics_text(self, url: str) -> bytes | None:
-        try:
-            status, raw = await self.upstream.get(url, 2.0, {"accept-encoding": "identity"})
-        except UpstreamError:
-            return None
-        return raw if status == 200 else None

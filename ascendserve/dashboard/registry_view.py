@@ -20,12 +20,12 @@ from typing import Callable
 import msgspec
 
 from ascendserve.dashboard.events import EventFeed
-from ascendserve.dashboard.kv_rates import KVRates
+from ascendserve.dashboard.kv_rates import KVRates, metrics_reader
 from ascendserve.dashboard.series import History, Reading, total
 from ascendserve.discovery import etcd
 from ascendserve.metaserver.registry import Registry
 from ascendserve.protocol.registry import InstanceView, Registration
-from ascendserve.web.upstream import Upstream, UpstreamError
+from ascendserve.web.upstream import Upstream
 
 ROLE_ORDER = ("encoder", "prefill", "decode", "pd", "elastic-server")
 
@@ -41,7 +41,7 @@ class RegistrySource:
         self.push_asks, self.etcd_settings, self.clock = push_asks, etcd_settings, clock
         self.started = clock()
         self.series = History()
-        self.kv = KVRates(self._metrics_text)
+        self.kv = KVRates(metrics_reader(upstream))
         self.listed: dict[str, Registration] | None = None  # etcd: the last listing
         self.etcd_error = ""
         registry.on_change = lambda kind, reg: feed.add(kind, reg.role, reg.url, "" if kind in ("left", "expired")
@@ -119,11 +119,3 @@ class RegistrySource:
             for new in set(listed) - set(self.listed):
                 self.feed.add("joined", listed[new].role, listed[new].url, "active", listed[new].instance_id)
         self.listed = listed
-
-    async def _metrics_text(self, url: str) -> bytes | None:
-        try:
-            status, raw = await self.upstream.get(url, 2.0, {"accept-encoding": "identity"})
-        except UpstreamError:
-            return None
-        return raw if status == 200 else None
-
