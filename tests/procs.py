@@ -415,11 +415,13 @@ def signal_group(proc: Proc, sig) -> None:
     os.killpg(proc.popen.pid, sig)
 
 
-def crash(proc: Proc) -> None:
+def crash(proc: Proc, segments: set[str] | None = None) -> None:
     """SIGKILL every process of an instance at once (multiprocessing's resource tracker
     excepted: it then unlinks the shared memory the dead left, as after a real crash),
-    and check that none of the instance's segments is left behind."""
-    segments = proc.shared_memory()
+    and check that none of the instance's segments is left behind. `segments`: the instance's,
+    read beforehand (reading every process's maps under load took seconds once in CI, and the
+    kill came after the requests it was meant to hit had ended)."""
+    segments = segments or proc.shared_memory()
     assert segments, "an engine instance maps vLLM's shared-memory queues"
     kill_group(proc.popen.pid, grace_s=0.0, tracker_grace_s=10.0)
     wait_for(lambda: not segments & set(os.listdir("/dev/shm")), 15,

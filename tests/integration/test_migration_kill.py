@@ -114,6 +114,9 @@ def wave(proxy_url: str, reqs, victims: dict, how, token: str = "") -> tuple[lis
     """Send every request at once; once streams are well under way on both instances of the
     role, `how` the busiest one; the answers, and when it was hit."""
     progress = [0] * len(reqs)
+    if how is crash:  # its slow part (the segments to check) before the clock starts
+        mapped = {url: proc.shared_memory() for url, proc in victims.items()}
+        how = lambda proc: crash(proc, mapped.get(proc.url))  # noqa: E731
 
     async def run():
         async with httpx.AsyncClient(timeout=600) as client:
