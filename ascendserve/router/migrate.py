@@ -202,17 +202,24 @@ class Generation:
                     out.append(encode(event))
             if led.stopped:
                 return True
+        if led.fingerprint is not None and self.leg.instance.fingerprint != led.fingerprint:
+            self.leg.instance.fingerprint = led.fingerprint  # for an answer whose usage event never comes
         return False
 
     def _close_finished(self) -> list[bytes]:
         """The engine sent the last token and died before its usage event and [DONE]."""
         led = self.ledger
+        if led.fingerprint is None:  # vLLM sends it with the usage event: the engine's from an earlier answer
+            led.fingerprint = self.leg.instance.fingerprint
+            if led.final is not None and led.fingerprint is not None:
+                led.final["system_fingerprint"] = led.fingerprint
         out = [encode(e) for e in led.flush_final()]
         if led.usage is None:
             prompt, done = len(led.prompt_ids or ()), len(led.generated)
             led.usage = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
             if led.want_usage:
-                out.append(encode({**led.head, "choices": [], "usage": led.usage}))
+                fingerprint = {"system_fingerprint": led.fingerprint} if led.fingerprint is not None else {}
+                out.append(encode({**led.head, "choices": [], **fingerprint, "usage": led.usage}))
         return out + [b"data: [DONE]\n\n"] if led.stream else []
 
     async def _migrate(self, failed: Instance, reason: str) -> None:
@@ -251,15 +258,24 @@ class Generation:
         """The first non-empty text of a continuation whose detokenizer was primed with an
         incomplete character repeats the prompt: its text is what the generated tokens' text
         gained with this event (from /detokenize, as at the cut), as the uninterrupted stream
-        would have sent it once the character was complete."""
+        would have sent it once the character was complete. The text ends where the engine's
+        did: at the event's last token whose text does not end in an incomplete character (vLLM
+        holds those back; when its API server falls behind, one event carries several tokens,
+        and the ones after that point come in a later event's text)."""
         choices = ev.get("choices")
         if not self.fixing or not choices or not (choices[0].get("text") or ""):
             return
         self.fixing = False
         led = self.ledger
         ids = list(led.prompt_ids or ()) + led.generated + before + list(choices[0].get("token_ids") or ())
-        full = await self.detokenize(self.leg.instance, ids)
-        if full is None or not full.startswith(self.base) or not full[len(self.base):].startswith(self.cut_text):
+        first = len(ids) - len(choices[0].get("token_ids") or ())
+        full = None
+        for end in range(len(ids), first, -1):  # most often the first try
+            full = await self.detokenize(self.leg.instance, ids[:end])
+            if full is None or not full.endswith("\ufffd"):
+                break
+        if full is None or full.endswith("\ufffd") or not full.startswith(self.base) \
+                or not full[len(self.base):].startswith(self.cut_text):
             log.warning("continuation text not checked: /detokenize did not agree", request_id=self.request_id)
             return
         choices[0]["text"] = full[len(self.base) + len(self.cut_text):]

@@ -54,6 +54,7 @@ class Instance:
     served: int = 0
     last_ok: float = field(default_factory=time.monotonic)  # its last answer: a request or a health check
     missing_since: float | None = None  # source registry: when it left the registry (None: registered)
+    fingerprint: str | None = None  # its system_fingerprint, from the last stream that carried one
 
     @property
     def priority(self) -> float:
