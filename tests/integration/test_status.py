@@ -4,11 +4,13 @@ Also: a stub stopped and restarted, Ctrl-C under --watch, https with --tls-ca, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -133,15 +135,40 @@ def test_an_unreachable_proxy_exits_1(cluster):
     assert r.returncode == 1 and "UNREACHABLE" in r.stdout and "connection refused" in r.stdout
 
 
+def _as_from_a_shell() -> None:
+    """The child's SIGINT as a shell gives it (default, not blocked): whether Ctrl-C works must
+    not depend on what the pytest worker's earlier modules left in its own signal state."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _stuck(pid: int) -> str:
+    """What a process that did not exit was doing: its signal masks, where it sleeps, its stack."""
+    out = []
+    with contextlib.suppress(OSError):
+        out += [x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(("State", "Sig", "Shd"))]
+        out.append("wchan: " + Path(f"/proc/{pid}/wchan").read_text())
+    spy = Path(PYTHON).with_name("py-spy")
+    if spy.exists():
+        out.append(subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=20).stdout)
+    return "\n".join(out)
+
+
 def test_watch_prints_a_document_per_round_and_ctrl_c_exits_0(cluster):
     proxy = cluster[3]
     watch = subprocess.Popen([PYTHON, "-m", "ascendserve", "status", "--proxy", proxy.url, "--watch", "0.2", "--json"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(),
+                             preexec_fn=_as_from_a_shell)
     try:
         docs = [json.loads(watch.stdout.readline()) for _ in range(3)]
         assert all(doc["ready"] for doc in docs) and docs[0]["time"] < docs[1]["time"] < docs[2]["time"]
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(10) == 0
+        try:
+            code = watch.wait(10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"status --watch did not exit within 10 s of SIGINT:\n{_stuck(watch.pid)}")
+        assert code == 0
         assert "Traceback" not in watch.stderr.read()
     finally:
         watch.kill()
