@@ -68,6 +68,12 @@ class Pages(Protocol):
     def request_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
         """Every run a read of these blocks moves, in transfer order."""
 
+    def request_runs(self, block_ids: list[int], heads: tuple[int, int] | None = None):
+        """`request_views` as addresses (transport/native.Runs), for the native data path."""
+
+    def layer_runs(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None):
+        """`layer_views` as addresses."""
+
     def whole_blocks(self) -> bool:
         """Whether whole-page reads move cross-layer blocks as one piece (request_views)."""
 
