@@ -382,3 +382,64 @@ def test_a_consumer_that_dies_mid_read_releases_the_hold(pair):
     for src, dst in zip(p.kv.layers, d.kv.layers):
         assert torch.equal(src[[5, 6]], dst[[5, 6]])
 
+
+
+# ---- the point of it: a busy Python thread does not slow the transfer down ---------------------------
+def _serve_held(port_q, stop, num_blocks: int, blocks: list[int], holds: int) -> None:
+    """P in a process of its own (no spinner there): holds `holds` requests of `blocks`."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    settings = PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=600.0, transport="tcp")
+    p = PullWorker(settings, "tok", tp_rank=0, producer=True)
+    p.register_kv_caches(caches(1, blocks=num_blocks, layers=8))
+    p.start_load_kv(PullMetadata(send={f"r{i}": (blocks, 600.0) for i in range(holds)}))
+    port_q.put(p.server.port)
+    while not stop.wait(0.05):
+        p.get_transfer_results()
+    p.shutdown()
+
+
+def test_a_python_thread_holding_the_gil_does_not_throttle_a_native_pull(lib, monkeypatch):
+    """What vLLM's busy engine loop did to the transfer threads, made deterministic: a thread that
+    only runs bytecode keeps the GIL for a whole switch interval (here 0.1 s) whenever the transfer
+    thread gives it up. The Python path gives it up at every recvmsg (a socket buffer per interval,
+    at most); the native path once per read. The same pull, both ways, in this process."""
+    import multiprocessing as mp
+
+    blocks = list(range(256))  # 8 layers x 256 blocks x 16 KiB pages: 32 MiB
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_held, args=(q, stop, 256, blocks, 4), daemon=True)
+    proc.start()
+    settings = PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=30.0, transport="tcp")
+    d = PullWorker(settings, "tok", tp_rank=0, producer=False)
+    d.register_kv_caches(caches(2, blocks=256, layers=8))
+    halt = threading.Event()
+    interval = sys.getswitchinterval()
+    try:
+        port = q.get(timeout=120)
+        d.client.pull("127.0.0.1", port, "r0", blocks, blocks)  # connected, warm
+
+        def spin():
+            while not halt.is_set():
+                pass
+
+        spinner = threading.Thread(target=spin, daemon=True)
+        sys.setswitchinterval(0.1)
+        spinner.start()
+        took = {}
+        for i, mode in ((1, "1"), (2, "0"), (3, "1")):
+            monkeypatch.setenv(native.ENV, mode)
+            started = time.monotonic()
+            assert d.client.pull("127.0.0.1", port, f"r{i}", blocks, blocks) == d.kv.nbytes(256)
+            took.setdefault(mode, []).append(time.monotonic() - started)
+    finally:
+        halt.set()
+        sys.setswitchinterval(interval)
+        stop.set()
+        proc.join(30)
+        d.shutdown()
+    native_s, python_s = min(took["1"]), took["0"][0]
+    # the Python path waits an interval per socket buffer (4-8 MiB: >= 4 here); the native one
+    # an interval or two per read
+    assert python_s > 0.3, took
+    assert native_s < python_s / 2, took
