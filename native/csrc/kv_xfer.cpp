@@ -48,7 +48,7 @@ constexpr int kTimeout = -2;     // TimeoutError: no progress within idle_ms, or
 constexpr int kOsError = -3;     // OSError(errno)
 constexpr int kBadArgs = -4;     // ValueError: a spec that makes no sense
 
-std::atomic<uint64_t> g_sent{0}, g_received{0}, g_calls{0};
+std::atomic<uint64_t> g_sent{0}, g_received{0}, g_calls{0}, g_copied{0};
 
 }  // namespace
 
@@ -244,17 +244,77 @@ struct Io {
   }
 };
 
+// Receive one frame's prefix and header into `header` (capacity cap): kOk, or kOtherHeader when
+// the header does not fit (only the 8-byte prefix read), or a transfer error.
+int recv_header(Io& in, char* header, int64_t cap, int64_t* header_len) {
+  *header_len = 0;
+  const uint64_t prefix_addr[1] = {reinterpret_cast<uint64_t>(header)};
+  const uint64_t prefix_len[1] = {8};
+  AsvSpec prefix{prefix_addr, 1, nullptr, 0, 0, nullptr, 0, 0, prefix_len};
+  Runs p(nullptr, 0, &prefix);
+  int rc = in.move(p, 8);
+  if (rc != kOk) return rc;
+  *header_len = 8;
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(header);
+  const int64_t body = (int64_t{b[4]} << 24) | (int64_t{b[5]} << 16) | (int64_t{b[6]} << 8) | int64_t{b[7]};
+  if (8 + body > cap) return kOtherHeader;
+  if (body > 0) {
+    const uint64_t body_addr[1] = {reinterpret_cast<uint64_t>(header + 8)};
+    const uint64_t body_len[1] = {static_cast<uint64_t>(body)};
+    AsvSpec rest{body_addr, 1, nullptr, 0, 0, nullptr, 0, 0, body_len};
+    Runs h(nullptr, 0, &rest);
+    rc = in.move(h, body);
+    if (rc != kOk) return rc;
+  }
+  *header_len = 8 + body;
+  return kOk;
+}
+
+bool same(const char* a, int64_t a_len, const char* b, int64_t b_len) {
+  return a_len == b_len && memcmp(a, b, static_cast<size_t>(a_len)) == 0;
+}
+
+int send_bytes(Io& out, const char* data, int64_t len) {
+  Runs r(data, len, nullptr);
+  return out.move(r, len);
+}
+
+// Bytes of one base's runs (a layer's pages of the spec's blocks).
+int64_t layer_bytes(const AsvSpec* s) { return s->n_blocks * s->n_offsets * s->run; }
+
+// Copy base `layer`'s runs to (gather) or from (scatter) `flat`, in transfer order: with a
+// repeated block the last copy wins, as on the socket path.
+void copy_layer(const AsvSpec* s, int64_t layer, char* flat, bool gather) {
+  char* pos = flat;
+  const size_t run = static_cast<size_t>(s->run);
+  for (int64_t j = 0; j < s->n_blocks; ++j) {
+    for (int64_t k = 0; k < s->n_offsets; ++k) {
+      char* page = reinterpret_cast<char*>(s->bases[layer] + static_cast<uint64_t>(s->blocks[j] * s->block_stride +
+                                                                                    s->offsets[k]));
+      if (gather) {
+        memcpy(pos, page, run);
+      } else {
+        memcpy(page, pos, run);
+      }
+      pos += run;
+    }
+  }
+  g_copied.fetch_add(static_cast<uint64_t>(layer_bytes(s)), std::memory_order_relaxed);
+}
+
 int64_t deadline_of(int64_t total_ms) { return now_ms() + (total_ms > 0 ? total_ms : INT64_C(1) << 40); }
 
 }  // namespace
 
 ASV_API int asv_xfer_abi_version(void) { return kAbiVersion; }
 
-// Counters since load: bytes sent, bytes received, calls (tests check the path is taken).
+// Counters since load: bytes sent, bytes received, calls, bytes copied between pages and a
+// shared-memory segment (tests check the path is taken).
 ASV_API void asv_xfer_counters(uint64_t* out) {
   out[0] = g_sent.load();
   out[1] = g_received.load();
   out[2] = g_calls.load();
+  out[3] = g_copied.load();
 }
 
 // Send `prefix` (a frame header; may be empty) then every run of `spec`, or receive every run
@@ -301,29 +361,75 @@ ASV_API int asv_xfer_fetch(int fd, const char* request, int64_t request_len, con
     if (rc != kOk) return rc;
   }
   Io in{fd, false, idle_ms, deadline, err, err_len};
-  const uint64_t prefix_addr[1] = {reinterpret_cast<uint64_t>(header)};
-  const uint64_t prefix_len[1] = {8};
-  AsvSpec prefix{prefix_addr, 1, nullptr, 0, 0, nullptr, 0, 0, prefix_len};
-  Runs p(nullptr, 0, &prefix);
-  int rc = in.move(p, 8);
+  int rc = recv_header(in, header, header_cap, header_len);
   if (rc != kOk) return rc;
-  *header_len = 8;
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(header);
-  const int64_t body = (int64_t{b[4]} << 24) | (int64_t{b[5]} << 16) | (int64_t{b[6]} << 8) | int64_t{b[7]};
-  if (8 + body > header_cap) return kOtherHeader;
-  if (body > 0) {
-    const uint64_t body_addr[1] = {reinterpret_cast<uint64_t>(header + 8)};
-    const uint64_t body_len[1] = {static_cast<uint64_t>(body)};
-    AsvSpec rest{body_addr, 1, nullptr, 0, 0, nullptr, 0, 0, body_len};
-    Runs h(nullptr, 0, &rest);
-    rc = in.move(h, body);
-    if (rc != kOk) return rc;
-  }
-  *header_len = 8 + body;
-  if (8 + body != expect_len || memcmp(header, expect, static_cast<size_t>(expect_len)) != 0) return kOtherHeader;
+  if (!same(header, *header_len, expect, expect_len)) return kOtherHeader;
   in.done = 0;  // the payload's bytes from here
   Runs payload(nullptr, 0, spec);
   rc = in.move(payload, spec_bytes(spec));
   if (done != nullptr) *done = in.done;
   return rc;
+}
+
+// ---- shm: the pages go through a shared-memory segment, the frames through the socket ----------
+// The segment holds a read layer-major: layer l's pages at seg + l * layer_bytes, each page's runs
+// in transfer order (spec: one base per layer, every layer, the read's blocks and heads). `frames`
+// holds the LAYER frames of layers 0..n-1 back to back, frame l ending at frame_ends[l].
+
+// P: gather layer l into the segment and send its LAYER frame, for every layer (D copies layer l
+// out while layer l + 1 is copied in), then receive D's answer: kOk when it is byte for byte
+// `done` (the DONE frame), else kOtherHeader with it in `header`.
+ASV_API int asv_xfer_shm_serve(int fd, const AsvSpec* spec, char* seg, const char* frames, const int64_t* frame_ends,
+                               const char* done, int64_t done_len, char* header, int64_t header_cap,
+                               int64_t* header_len, int64_t idle_ms, int64_t total_ms, char* err, int64_t err_len) {
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  idle_ms = idle_ms > 0 ? idle_ms : 1;
+  const int64_t deadline = deadline_of(total_ms);
+  Io out{fd, true, idle_ms, deadline, err, err_len};
+  *header_len = 0;
+  if (fd < 0 || spec == nullptr || spec->lens != nullptr || !spec_ok(spec) || seg == nullptr || header_cap < 8) {
+    return out.fail(kBadArgs, "bad shm serve arguments");
+  }
+  const int64_t per_layer = layer_bytes(spec);
+  int64_t start = 0;
+  for (int64_t l = 0; l < spec->n_bases; ++l) {
+    copy_layer(spec, l, seg + l * per_layer, true);
+    const int rc = send_bytes(out, frames + start, frame_ends[l] - start);
+    if (rc != kOk) return rc;
+    start = frame_ends[l];
+  }
+  Io in{fd, false, idle_ms, deadline, err, err_len};
+  const int rc = recv_header(in, header, header_cap, header_len);
+  if (rc != kOk) return rc;
+  return same(header, *header_len, done, done_len) ? kOk : kOtherHeader;
+}
+
+// D: for each layer receive its LAYER frame (byte for byte frames' l-th) and scatter the layer
+// from the segment into the pages, then send `done`: kOk. A frame that differs: kOtherHeader,
+// *layers_done = its layer, the frame in `header` (nothing of it copied), for the caller.
+ASV_API int asv_xfer_shm_fetch(int fd, const AsvSpec* spec, const char* seg, const char* frames,
+                               const int64_t* frame_ends, const char* done, int64_t done_len, char* header,
+                               int64_t header_cap, int64_t* header_len, int64_t* layers_done, int64_t idle_ms,
+                               int64_t total_ms, char* err, int64_t err_len) {
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  idle_ms = idle_ms > 0 ? idle_ms : 1;
+  const int64_t deadline = deadline_of(total_ms);
+  Io in{fd, false, idle_ms, deadline, err, err_len};
+  *header_len = 0;
+  *layers_done = 0;
+  if (fd < 0 || spec == nullptr || spec->lens != nullptr || !spec_ok(spec) || seg == nullptr || header_cap < 8) {
+    return in.fail(kBadArgs, "bad shm fetch arguments");
+  }
+  const int64_t per_layer = layer_bytes(spec);
+  int64_t start = 0;
+  for (int64_t l = 0; l < spec->n_bases; ++l) {
+    const int rc = recv_header(in, header, header_cap, header_len);
+    if (rc != kOk) return rc;
+    if (!same(header, *header_len, frames + start, frame_ends[l] - start)) return kOtherHeader;
+    copy_layer(spec, l, const_cast<char*>(seg) + l * per_layer, false);
+    start = frame_ends[l];
+    *layers_done = l + 1;
+  }
+  Io out{fd, true, idle_ms, deadline, err, err_len};
+  return send_bytes(out, done, done_len);
 }

@@ -27,7 +27,7 @@ import torch
 from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.kv.pull_plan import PullMetadata, PullSettings
 from ascendserve.connectors.kv.pull_worker import PullWorker
-from ascendserve.connectors.transport import native
+from ascendserve.connectors.transport import make_transport, native
 from ascendserve.connectors.transport.base import TransferError
 from ascendserve.connectors.transport.channel import ChannelClient
 from ascendserve.connectors.transport.tcp import TcpTransport
@@ -145,6 +145,33 @@ def test_pull_is_one_native_read_of_exactly_its_bytes(pair):
         assert torch.equal(src[[3, 4, 5, 11]], dst[[7, 1, 9, 10]])
 
 
+def test_shm_layers_are_copied_by_the_library(lib):
+    """shm: P's gathers into the segment and D's scatters out of it are the library's copies
+    (both in this process: twice the read), its LAYER and DONE frames the library's I/O."""
+    settings = PullSettings(host="127.0.0.1", bind_host="127.0.0.1", port=0, ttl_s=30.0, transport="shm")
+    p = PullWorker(settings, "tok", tp_rank=0, producer=True, hold_wait_s=2.0)
+    p.register_kv_caches(caches(1))
+    d = PullWorker(settings, "tok", tp_rank=0, producer=False)
+    d.register_kv_caches(caches(2))
+    try:
+        p.start_load_kv(PullMetadata(send={"r": ([3, 4, 4, 11], 30.0)}))
+        before = native.counters()
+        moved = d.client.pull("127.0.0.1", p.server.port, "r", [3, 4, 4, 11], [7, 1, 9, 10])
+        deadline = time.monotonic() + 5
+        while p._held["r"].readers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = native.counters()
+        assert moved == d.kv.nbytes(4) and after["copied"] - before["copied"] == 2 * moved
+        layers = len(d.kv.layers)
+        frames_in = sum(len(frames.encode({"type": "LAYER", "layer": i})) for i in range(layers))
+        done = len(frames.encode({"type": "DONE"}))
+        assert after["received"] - before["received"] == frames_in + done  # D the LAYERs, P the DONE
+        for src, dst in zip(p.kv.layers, d.kv.layers):
+            assert torch.equal(src[[3, 4, 4, 11]], dst[[7, 1, 9, 10]])
+    finally:
+        p.shutdown(), d.shutdown()
+
+
 def test_without_the_library_the_python_path_moves_the_same_bytes(pair, monkeypatch):
     p, d, port = pair
     p.start_load_kv(PullMetadata(send={"r": ([2, 6], 30.0), "s": ([2, 6], 30.0)}))
@@ -214,7 +241,7 @@ MIXED = [Case("LBHNC", "LBHNC"), Case("BLHNC", "BLHNC"), Case("tp2-LBNHC", "LBNH
 
 def _producer(native_on: bool):
     env = {**os.environ, "OMP_NUM_THREADS": "1", native.ENV: "1" if native_on else "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.kv_layouts", *producer_args(MIXED, ["tcp"])], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kv_layouts", *producer_args(MIXED, ["tcp", "shm"])], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     for line in proc.stdout:
         if line.startswith("PORTS "):
@@ -224,9 +251,10 @@ def _producer(native_on: bool):
     raise AssertionError("the producer died before serving")
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("p_native, d_native", [(False, True), (True, False)],
                          ids=["P-python-D-native", "P-native-D-python"])
-def test_a_native_side_and_a_python_side_exchange_pages(lib, monkeypatch, p_native, d_native):
+def test_a_native_side_and_a_python_side_exchange_pages(lib, monkeypatch, p_native, d_native, transport):
     """The wire is the same on both paths: a producer process on one, this consumer on the other."""
     if not os.path.exists(native.LIBRARY):
         pytest.skip("the producer process loads ascendserve/_native/'s library, not built there")
@@ -236,12 +264,16 @@ def test_a_native_side_and_a_python_side_exchange_pages(lib, monkeypatch, p_nati
     try:
         for case in MIXED:
             views = build(case, seed=5, heads=case.heads * case.p_tp)
-            client = ChannelClient("tok", PagedKV(views, NUM_BLOCKS), TcpTransport())
+            kv = PagedKV(views, NUM_BLOCKS)
+            mover = make_transport(transport, kv)
+            client = ChannelClient("tok", kv, mover)
             before = native.counters()
             for rank in range(case.p_tp):
                 h = (0, rank * case.heads, case.heads) if case.p_tp > 1 else None
-                client.pull("127.0.0.1", ports[f"{case.name}/host"] + rank, f"{case.name}-tcp-0", HELD[0], local, h)
+                client.pull("127.0.0.1", ports[f"{case.name}/host"] + rank, f"{case.name}-{transport}-0", HELD[0],
+                            local, h)
             client.close()
+            mover.close()
             assert (native.counters()["received"] > before["received"]) == d_native
             for r, lo in zip(HELD[0], local):
                 mine = pages_of(views, lo)

@@ -380,12 +380,14 @@ class PagedKV:
         return [v for layer in self.page_views(block_ids, heads) for v in layer]
 
     # ---- runs by address (the native data path: transport/native.py) ------------------
-    def request_runs(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> Runs:
+    def request_runs(self, block_ids: list[int], heads: tuple[int, int] | None = None,
+                     layer_major: bool = False) -> Runs:
         """`request_views` as addresses, without a Python object per run: the same bytes in
-        the same order, for the native transfer path."""
+        the same order, for the native transfer path. `layer_major`: one base per layer even
+        where whole cross-layer blocks would move as one piece (the shm segment's order)."""
         self._host_only()
         idx = self._index(block_ids)
-        if heads is None and self.whole_blocks():
+        if heads is None and self.whole_blocks() and not layer_major:
             first = min(range(self.num_layers), key=lambda i: self._offset[i])
             return self._checked([self._address(first)], idx, [0], self.num_layers * self.page_bytes, [first])
         return self._layer_runs(range(self.num_layers), idx, heads)

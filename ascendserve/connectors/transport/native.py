@@ -132,7 +132,11 @@ def load(path: str | None = None) -> bool:
             lib.asv_xfer_fetch.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, i64, ctypes.POINTER(i64),
                                            ctypes.POINTER(_Spec), i64, i64, ctypes.POINTER(i64), ctypes.c_char_p,
                                            i64]
-            lib.asv_xfer_move.restype = lib.asv_xfer_fetch.restype = ctypes.c_int
+            shm = [ctypes.c_int, ctypes.POINTER(_Spec), vp, vp, vp, vp, i64, vp, i64, ctypes.POINTER(i64)]
+            lib.asv_xfer_shm_serve.argtypes = [*shm, i64, i64, ctypes.c_char_p, i64]
+            lib.asv_xfer_shm_fetch.argtypes = [*shm, ctypes.POINTER(i64), i64, i64, ctypes.c_char_p, i64]
+            for fn in (lib.asv_xfer_move, lib.asv_xfer_fetch, lib.asv_xfer_shm_serve, lib.asv_xfer_shm_fetch):
+                fn.restype = ctypes.c_int
             lib.asv_xfer_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
             _lib, _why_not = lib, ""
         except (OSError, AttributeError) as exc:
@@ -163,12 +167,13 @@ def why_not() -> str:
 
 
 def counters() -> dict[str, int]:
-    """The library's own counts since it was loaded: bytes sent, bytes received, calls."""
+    """The library's own counts since it was loaded: bytes sent, bytes received, calls, bytes
+    copied between pages and a shared-memory segment."""
     if _lib is None:
-        return {"sent": 0, "received": 0, "calls": 0}
-    out = (ctypes.c_uint64 * 3)()
+        return {"sent": 0, "received": 0, "calls": 0, "copied": 0}
+    out = (ctypes.c_uint64 * 4)()
     _lib.asv_xfer_counters(out)
-    return {"sent": out[0], "received": out[1], "calls": out[2]}
+    return {"sent": out[0], "received": out[1], "calls": out[2], "copied": out[3]}
 
 
 def _limits(sock: socket.socket, nbytes: int) -> tuple[int, int]:
@@ -230,4 +235,57 @@ def fetch(sock: socket.socket, request: bytes, expect: bytes, runs: Runs) -> byt
         return None
     if rc == _OTHER_HEADER:
         return header.raw[:header_len.value]
+    _raise(rc, err)
+
+
+# ---- shm: pages through a shared-memory segment, frames through the socket ------------------------
+def _frames(layers: int) -> tuple[bytes, "ctypes.Array"]:
+    """The LAYER frames of layers 0..layers-1 back to back, and where each ends."""
+    from ascendserve.protocol.frames import encode
+
+    parts = [encode({"type": "LAYER", "layer": i}) for i in range(layers)]
+    ends = (ctypes.c_int64 * max(1, layers))()
+    total = 0
+    for i, part in enumerate(parts):
+        total += len(part)
+        ends[i] = total
+    return b"".join(parts), ends
+
+
+def shm_serve(sock: socket.socket, runs: Runs, segment: int, done: bytes) -> bytes | None:
+    """P's side of an shm READ after its SHM frame, GIL released throughout: for each layer (a
+    base of `runs`, layer-major), its pages gathered into the segment at `segment` (an address,
+    at least runs.nbytes) and its LAYER frame sent; then D's answer read. None when it was
+    byte for byte `done`; else its prefix and header bytes for the caller to decode."""
+    frames_, ends = _frames(len(runs.bases))
+    idle_ms, total_ms = _limits(sock, runs.nbytes)
+    header, header_len = ctypes.create_string_buffer(HEADER_CAP), ctypes.c_int64(0)
+    err = ctypes.create_string_buffer(256)
+    spec = runs.spec()
+    rc = _lib.asv_xfer_shm_serve(_fd(sock), ctypes.byref(spec), segment, frames_, ends, done, len(done), header,
+                                 HEADER_CAP, ctypes.byref(header_len), idle_ms, total_ms, err, len(err))
+    if rc == _OK:
+        return None
+    if rc == _OTHER_HEADER:
+        return header.raw[:header_len.value]
+    _raise(rc, err)
+
+
+def shm_fetch(sock: socket.socket, runs: Runs, segment: int, done: bytes) -> tuple[int, bytes] | None:
+    """D's side after the SHM frame, GIL released throughout: for each layer its LAYER frame read
+    and its pages scattered from the segment at `segment` into `runs`' base of that layer; then
+    `done` sent. None when every layer came as expected; else (layer, the frame's bytes) of the
+    first frame that differed (nothing of that layer copied) for the caller to go on with."""
+    frames_, ends = _frames(len(runs.bases))
+    idle_ms, total_ms = _limits(sock, runs.nbytes)
+    header, header_len = ctypes.create_string_buffer(HEADER_CAP), ctypes.c_int64(0)
+    layers_done, err = ctypes.c_int64(0), ctypes.create_string_buffer(256)
+    spec = runs.spec()
+    rc = _lib.asv_xfer_shm_fetch(_fd(sock), ctypes.byref(spec), segment, frames_, ends, done, len(done), header,
+                                 HEADER_CAP, ctypes.byref(header_len), ctypes.byref(layers_done), idle_ms,
+                                 total_ms, err, len(err))
+    if rc == _OK:
+        return None
+    if rc == _OTHER_HEADER:
+        return layers_done.value, header.raw[:header_len.value]
     _raise(rc, err)

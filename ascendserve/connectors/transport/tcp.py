@@ -21,7 +21,7 @@ import socket
 
 from ascendserve.connectors.transport import native
 from ascendserve.connectors.transport.base import Pages, TransferError, Transport
-from ascendserve.protocol.frames import FrameError, decode_header, encode, header_length, read_frame, send_frame
+from ascendserve.protocol.frames import encode, parse_frame, read_frame, send_frame
 
 IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into call (under any IOV_MAX)
 
@@ -88,19 +88,6 @@ def recv_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: 
     recv_units(lambda view: recv_views(sock, [view]), pages, block_ids, heads)
 
 
-def _decode(raw: bytes, max_payload: int) -> dict:
-    """A frame header the native fetch handed back (not the DATA header it expected)."""
-    if len(raw) < 8:
-        raise FrameError("truncated frame prefix")
-    length = header_length(raw[:8])
-    if len(raw) != 8 + length:
-        raise FrameError("truncated frame header")
-    header = decode_header(raw[:8], raw[8:])
-    if header.get("payload", 0) > max_payload:
-        raise FrameError(f"payload of {header['payload']} bytes exceeds {max_payload}")
-    return header
-
-
 class TcpTransport(Transport):
     name = "tcp"
     sends_read = True  # ChannelClient.pull hands `fetch` the READ frame to send (one native call)
@@ -129,7 +116,7 @@ class TcpTransport(Transport):
             raw = native.fetch(sock, read, encode({"type": "DATA", "payload": size}), runs)
             if raw is None:
                 return size
-            answer = _decode(raw, size)  # ERR, another size, or another encoding of DATA
+            answer = parse_frame(raw, size)  # ERR, another size, or another encoding of DATA
         else:
             if read:
                 sock.sendall(read)
