@@ -380,9 +380,13 @@ def main() -> None:
     blocks = list(range(3, 3 + blocks_n))
     print(f"KV of a {args.tokens}-token prompt: {blocks_n} blocks x {LAYERS} layers = {kv_bytes / 2**20:.0f} MiB",
           flush=True)
-    from ascendserve.connectors.transport import native
+    try:
+        from ascendserve.connectors.transport import native
 
-    print(f"KV transfer I/O here: {'native' if native.enabled() else 'python: ' + native.why_not()}", flush=True)
+        io = "native" if native.enabled() else "python: " + native.why_not()
+    except ImportError:  # a tree from before the native data path
+        io = "python (no native data path in this tree)"
+    print(f"KV transfer I/O here: {io}", flush=True)
     floors = {"raw TCP socket (loopback)": raw_socket_gbps(kv_bytes, args.repeat),
               "memcpy (numpy, 1 thread)": memcpy_gbps(kv_bytes, args.repeat)}
     ours = transport_gbps(num_blocks, blocks, args.repeat)
