@@ -85,3 +85,25 @@ def breakdown(p_url: str, d_url: str, d_log: Path, model: str, prompts: list[str
         parts["pull"].append(seconds)
         parts["d_first_step"].append(max(0.0, t2 - end))
     return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def pull_series(p_url: str, d_url: str, d_log: Path, model: str, base: str, n: int, min_bytes: int) -> list[float]:
+    """GB/s of `n` in-engine pulls of the whole prompt's KV, quickly: `base` is prefilled on P
+    once, then each request is `base` plus a few fresh words, so P recomputes only those (its
+    prefix cache) while D, started without prefix caching, pulls every block of the prompt."""
+    import httpx
+
+    from ascendserve.protocol.kv_params import pull_prefill_params
+
+    httpx.post(p_url + "/v1/completions", timeout=600,
+               json={"model": model, "prompt": base, "max_tokens": 1}).raise_for_status()
+    since = time.time()
+    for i in range(n):
+        body = {"model": model, "prompt": base + "".join(f" s{i}w{j}" for j in range(8)), "temperature": 0}
+        r = httpx.post(p_url + "/v1/completions", timeout=600, json={
+            **body, "max_tokens": 1, "min_tokens": 1, "kv_transfer_params": pull_prefill_params()})
+        r.raise_for_status()
+        _first_token(d_url, {**body, "max_tokens": 2, "kv_transfer_params": r.json()["kv_transfer_params"]})
+    time.sleep(0.2)
+    return [e["bytes"] / (e["ms"] / 1e3) / 1e9 for e in pulled_events(d_log, since)
+            if e.get("bytes", 0) >= min_bytes and e.get("ms", 0) > 0]

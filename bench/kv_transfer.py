@@ -16,9 +16,11 @@ One run measures, on a tiny-but-wide model (16 layers, 8 KV heads of 64, fp32:
    transport, vLLM's NixlConnector (`--kv-connector nixl`) and vLLM's ExampleConnector. P computes on core 0 and D on
    core 1 (VLLM_CPU_OMP_THREADS_BIND), as if on two hosts. Each 1P1D figure is checked against
    monolithic TTFT + 1.2 x (KV bytes / that transport's measured bandwidth).
-3. For each 1P1D pull: the in-engine pull bandwidth (D's own "KV pulled" log lines of the
-   measured requests) against the same transport isolated (1.), and the TTFT's breakdown
-   (bench/_kv_engine.py): P's prefill, D's wait for its pull, the pull, D's first step.
+3. For each 1P1D pull: the in-engine pull bandwidth (D's own "KV pulled" log lines) against the
+   same transport isolated (1.), over `--engine-pulls` requests that share a prefix P has
+   cached (a short prefill, the whole prompt's KV pulled: D runs without prefix caching) and
+   over the TTFT requests; and the TTFT's breakdown (bench/_kv_engine.py): P's prefill, D's
+   wait for its pull, the pull, D's first step.
    `--io-compare` adds tcp through the Python socket path (ASCENDSERVE_KV_NATIVE=0 on P and D)
    beside the native one (transport/native.py), isolated and in the engines.
 vLLM's own MooncakeConnector is not in the table: on CPU-only torch it dies
@@ -271,9 +273,9 @@ PYTHON_IO = {"ASCENDSERVE_KV_NATIVE": "0"}  # transport/native.py off: Python's 
 
 
 def end_to_end(model: Path, logs: Path, tokens: int, repeat: int, only: set[str], pull_transports: list[str],
-               io_compare: bool, kv_bytes: int) -> tuple[dict[str, float], dict[str, dict]]:
+               io_compare: bool, kv_bytes: int, series_n: int) -> tuple[dict[str, float], dict[str, dict]]:
     """(TTFT per topology, in-engine figures per 1P1D pull: D's pull GB/s and the breakdown)."""
-    from bench._kv_engine import breakdown, in_engine_gbps
+    from bench._kv_engine import breakdown, in_engine_gbps, pull_series
     from tests.procs import ascendserve, control, plain_vllm, start_all
 
     # P (and the monolithic instance) compute on core 0, D waits on core 1, as on separate
@@ -302,7 +304,10 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int, only: set[str]
         start_all(p)
         try:
             for label, transport in label_transport:
-                d = ascendserve("decode", model, logs, *common, "--kv-transport", transport,
+                # a pull D without prefix caching: pull_series's requests share a prefix on P and
+                # still move the whole prompt (the TTFT prompts are fresh: it changes nothing there)
+                no_cache = ("--vllm-arg=--no-enable-prefix-caching",) if connector == "pull" else ()
+                d = ascendserve("decode", model, logs, *common, "--kv-transport", transport, *no_cache,
                                 name=f"decode-{connector}-{transport}-{salt}", env={**d_env, **io_env})
                 start_all(d)
                 try:
@@ -317,8 +322,10 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int, only: set[str]
                             gbps, n = in_engine_gbps(d.log_path, since, kv_bytes // 2)
                             salt += 1
                             fresh = [prompt(tokens, salt * 100 + i) for i in range(repeat)]
-                            engine[label] = {"gbps": gbps, "pulls": n, "breakdown": breakdown(
-                                p.url, d.url, d.log_path, m, fresh, kv_bytes // 2)}
+                            parts = breakdown(p.url, d.url, d.log_path, m, fresh, kv_bytes // 2)
+                            series = pull_series(p.url, d.url, d.log_path, m, prompt(tokens - 64, salt * 100 + 99),
+                                                 series_n, kv_bytes // 2) if series_n else []
+                            engine[label] = {"gbps": gbps, "pulls": n, "breakdown": parts, "series_gbps": series}
                     finally:
                         proxy.stop()
                 finally:
@@ -369,6 +376,8 @@ def main() -> None:
                     help="D's transports in the 1P1D pull runs (mooncake only where installed)")
     ap.add_argument("--io-compare", action="store_true",
                     help="also tcp through the Python socket path (ASCENDSERVE_KV_NATIVE=0), isolated and 1P1D")
+    ap.add_argument("--engine-pulls", type=int, default=16,
+                    help="in-engine pulls per 1P1D pull run with a short prefill (P's prefix cache), for the GB/s")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     only = {x.strip() for x in args.only.split(",") if x.strip()}
@@ -415,7 +424,7 @@ def main() -> None:
             logs.mkdir(parents=True, exist_ok=True)
             model = build_model(root)
             e2e, engine = end_to_end(model, logs, args.tokens, args.repeat, only, pull_transports,
-                                     args.io_compare, kv_bytes)
+                                     args.io_compare, kv_bytes, args.engine_pulls)
         text += "\n" + _e2e_tables(e2e, engine, ours, kv_bytes, args.tokens, args.repeat)
         result["ttft_s"], result["in_engine"] = e2e, engine
     save("kv_transfer", {**result, "table": text})
@@ -436,12 +445,16 @@ def _e2e_tables(e2e: dict, engine: dict, ours: dict, kv_bytes: int, tokens: int,
     rows = []
     for label, e in engine.items():
         iso = ours.get(_isolated_key(label))
-        gbps = e["gbps"]
-        rows.append([label, gbps if gbps is not None else "-", e["pulls"], iso if iso else "-",
+        series = e.get("series_gbps") or []
+        gbps = statistics.median(series) if series else e["gbps"]
+        rows.append([label, gbps if gbps is not None else "-", len(series) or e["pulls"],
+                     f"{min(series):.2f}-{max(series):.2f}" if series else "-",
+                     e["gbps"] if e["gbps"] is not None else "-", iso if iso else "-",
                      f"{gbps / iso:.2f}x" if gbps and iso else "-"])
-    text += "\n" + table(f"In-engine pull of a {kv_bytes / 2**20:.0f} MiB KV (D's log, median) vs the same "
-                         "transport isolated (GB/s)",
-                         ["1P1D", "in-engine GB/s", "pulls", "isolated GB/s", "in-engine / isolated"], rows)
+    text += "\n" + table(f"In-engine pull of a {kv_bytes / 2**20:.0f} MiB KV (D's 'KV pulled' lines; median of the "
+                         "short-prefill series, and of the TTFT runs) vs the same transport isolated (GB/s)",
+                         ["1P1D", "in-engine GB/s", "pulls", "range", "in TTFT runs", "isolated GB/s",
+                          "in-engine / isolated"], rows)
     rows = []
     for label, e in engine.items():
         b = e["breakdown"]

@@ -118,10 +118,10 @@ class TcpTransport(Transport):
                 return size
             answer = parse_frame(raw, size)  # ERR, another size, or another encoding of DATA
         else:
-            if read:
-                sock.sendall(read)
             views = pages.request_views(local_blocks, mine) if pages.host_visible else None
             size = sum(len(v) for v in views) if views is not None else pages.nbytes(len(local_blocks), mine and mine[1])
+            if read:  # after the views: blocks out of range fail before P is asked
+                sock.sendall(read)
             answer = read_frame(sock, size)
         if answer["type"] != "DATA":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
