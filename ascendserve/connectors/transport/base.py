@@ -135,10 +135,12 @@ class Transport(ABC):
 
     @abstractmethod
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
-        """Consumer: after READ was sent on `sock`, land the remote pages in `local_blocks`
-        (heads = (first on P, first here, count) for a head run); return the bytes moved.
-        Raise TransferError (or OSError/FrameError) on failure."""
+              local_blocks: list[int], heads: tuple[int, int, int] | None, read: bytes) -> int:
+        """Consumer: send `read` (the READ frame, encoded) on `sock`, then land the remote pages
+        in `local_blocks` (heads = (first on P, first here, count) for a head run); return the
+        bytes moved. The transport sends READ itself so that it may send it with the read's
+        first bytes (tcp: in the same native call). Raise TransferError (or OSError/FrameError)
+        on failure."""
 
     def close(self) -> None:
         return None

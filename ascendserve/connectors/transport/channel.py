@@ -305,19 +305,17 @@ class ChannelClient:
         if len(remote_blocks) != len(local_blocks):
             raise TransferError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote")
         sock, offer = self._connect(host, port)
-        try:
-            read = {"type": "READ", "request_id": request_id, "blocks": remote_blocks}
-            if heads is not None:
-                read["heads"] = [heads[0], heads[2]]
-            if getattr(self.transport, "sends_read", False):  # tcp: READ and its answer in one native call
-                moved = self.transport.fetch(sock, offer, self.pages, remote_blocks, local_blocks, heads,
-                                             read=encode(read))
-            else:
-                send_frame(sock, read)
-                moved = self.transport.fetch(sock, offer, self.pages, remote_blocks, local_blocks, heads)
+        read = {"type": "READ", "request_id": request_id, "blocks": remote_blocks}
+        if heads is not None:
+            read["heads"] = [heads[0], heads[2]]
+        try:  # encoded in here: a READ over the header limit is a FrameError like any other
+            moved = self.transport.fetch(sock, offer, self.pages, remote_blocks, local_blocks, heads, encode(read))
         except (OSError, FrameError, TransferError) as exc:
             sock.close()  # its state is unknown after a failure
             raise TransferError(f"KV read of {request_id} from {host}:{port} failed: {exc}") from None
+        except BaseException:  # e.g. ValueError: local blocks out of range; never back to the pool
+            sock.close()
+            raise
         self._release(host, port, (sock, offer))
         return moved
 

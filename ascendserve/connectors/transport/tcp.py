@@ -90,7 +90,6 @@ def recv_staged(sock: socket.socket, pages: Pages, block_ids: list[int], heads: 
 
 class TcpTransport(Transport):
     name = "tcp"
-    sends_read = True  # ChannelClient.pull hands `fetch` the READ frame to send (one native call)
 
     def serve_read(self, conn: socket.socket, pages: Pages, block_ids: list[int],
                    heads: tuple[int, int] | None) -> None:
@@ -107,8 +106,8 @@ class TcpTransport(Transport):
         send_views(conn, views)
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int], heads: tuple[int, int, int] | None, read: bytes = b"") -> int:
-        """`read`: the READ frame, not sent yet (sent here, in the same native call)."""
+              local_blocks: list[int], heads: tuple[int, int, int] | None, read: bytes) -> int:
+        """Natively, `read` goes out in the same call that receives the answer and its pages."""
         mine = (heads[1], heads[2]) if heads else None
         runs = pages.request_runs(local_blocks, mine) if pages.host_visible and native.enabled() else None
         if runs is not None:
@@ -120,8 +119,7 @@ class TcpTransport(Transport):
         else:
             views = pages.request_views(local_blocks, mine) if pages.host_visible else None
             size = sum(len(v) for v in views) if views is not None else pages.nbytes(len(local_blocks), mine and mine[1])
-            if read:  # after the views: blocks out of range fail before P is asked
-                sock.sendall(read)
+            sock.sendall(read)  # after the views: blocks out of range fail before P is asked
             answer = read_frame(sock, size)
         if answer["type"] != "DATA":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
