@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include <atomic>
+#include <climits>
 #include <cstdarg>
 #include <cstdio>
 
@@ -37,7 +38,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;  // 2: the shm calls take the segment's and the frames' lengths
 constexpr int kBatch = 1024;  // iovecs per syscall (Linux IOV_MAX)
 
 // return codes (native.py maps them to Python exceptions)
@@ -177,10 +178,14 @@ struct Io {
     const int64_t limit = left < idle_ms ? left : idle_ms;
     pollfd p{fd, static_cast<short>(send ? POLLOUT : POLLIN), 0};
     int r;
-    do {
-      r = poll(&p, 1, static_cast<int>(limit));
+    do {  // poll takes an int: a limit past INT_MAX ms (~24 days) is cut there, never wrapped
+      r = poll(&p, 1, static_cast<int>(limit < INT_MAX ? limit : INT_MAX));
     } while (r < 0 && errno == EINTR);
     if (r < 0) return fail(kOsError, "poll failed: %s", strerror(errno));
+    if (r == 0 && limit < idle_ms) {
+      return fail(kTimeout, "KV transfer past its deadline after %lld of %lld bytes", static_cast<long long>(done),
+                  static_cast<long long>(total));
+    }
     if (r == 0) {
       return fail(kTimeout, "KV transfer stalled: no progress for %lld ms after %lld of %lld bytes",
                   static_cast<long long>(limit), static_cast<long long>(done), static_cast<long long>(total));
@@ -349,8 +354,9 @@ ASV_API int asv_xfer_fetch(int fd, const char* request, int64_t request_len, con
   const int64_t deadline = deadline_of(total_ms);
   idle_ms = idle_ms > 0 ? idle_ms : 1;
   if (done != nullptr) *done = 0;
-  *header_len = 0;
-  if (fd < 0 || request_len < 0 || expect_len < 8 || header_cap < 8 || !spec_ok(spec)) {
+  if (header_len != nullptr) *header_len = 0;
+  if (fd < 0 || request_len < 0 || (request_len > 0 && request == nullptr) || expect == nullptr || expect_len < 8 ||
+      header == nullptr || header_len == nullptr || header_cap < 8 || !spec_ok(spec)) {
     Io io{fd, true, idle_ms, deadline, err, err_len};
     return io.fail(kBadArgs, "bad fetch arguments");
   }
@@ -372,23 +378,52 @@ ASV_API int asv_xfer_fetch(int fd, const char* request, int64_t request_len, con
 }
 
 // ---- shm: the pages go through a shared-memory segment, the frames through the socket ----------
-// The segment holds a read layer-major: layer l's pages at seg + l * layer_bytes, each page's runs
-// in transfer order (spec: one base per layer, every layer, the read's blocks and heads). `frames`
-// holds the LAYER frames of layers 0..n-1 back to back, frame l ending at frame_ends[l].
+// The segment (seg_len bytes) holds a read layer-major: layer l's pages at seg + l * layer_bytes,
+// each page's runs in transfer order (spec: one base per layer, every layer, the read's blocks and
+// heads). `frames` (frames_len bytes) holds the LAYER frames of layers 0..n-1 back to back, frame l
+// ending at frame_ends[l].
+
+namespace {
+
+// The checks both sides make before a byte moves: a structured spec whose layers fit the segment,
+// frames that lie inside `frames`, and the buffers the answer needs.
+bool shm_args_ok(int fd, const AsvSpec* spec, const char* seg, int64_t seg_len, const char* frames,
+                 int64_t frames_len, const int64_t* frame_ends, const char* done, int64_t done_len,
+                 const char* header, int64_t header_cap, const int64_t* header_len) {
+  if (fd < 0 || spec == nullptr || spec->lens != nullptr || !spec_ok(spec) || seg == nullptr || seg_len < 0 ||
+      header == nullptr || header_len == nullptr || header_cap < 8 || done_len < 0 ||
+      (done_len > 0 && done == nullptr) || frames_len < 0) {
+    return false;
+  }
+  if (spec->n_bases > 0 && (frames == nullptr || frame_ends == nullptr)) return false;
+  const int64_t per_layer = layer_bytes(spec);
+  if (per_layer < 0 || (per_layer > 0 && spec->n_bases > seg_len / per_layer)) return false;
+  int64_t start = 0;
+  for (int64_t l = 0; l < spec->n_bases; ++l) {
+    if (frame_ends[l] < start || frame_ends[l] > frames_len) return false;
+    start = frame_ends[l];
+  }
+  return true;
+}
+
+}  // namespace
 
 // P: gather layer l into the segment and send its LAYER frame, for every layer (D copies layer l
 // out while layer l + 1 is copied in), then receive D's answer: kOk when it is byte for byte
-// `done` (the DONE frame), else kOtherHeader with it in `header`.
-ASV_API int asv_xfer_shm_serve(int fd, const AsvSpec* spec, char* seg, const char* frames, const int64_t* frame_ends,
-                               const char* done, int64_t done_len, char* header, int64_t header_cap,
-                               int64_t* header_len, int64_t idle_ms, int64_t total_ms, char* err, int64_t err_len) {
+// `done` (the DONE frame), else kOtherHeader with it in `header`. kBadArgs, nothing written, when
+// the layers do not fit the segment or a frame lies outside `frames`.
+ASV_API int asv_xfer_shm_serve(int fd, const AsvSpec* spec, char* seg, int64_t seg_len, const char* frames,
+                               int64_t frames_len, const int64_t* frame_ends, const char* done, int64_t done_len,
+                               char* header, int64_t header_cap, int64_t* header_len, int64_t idle_ms,
+                               int64_t total_ms, char* err, int64_t err_len) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   idle_ms = idle_ms > 0 ? idle_ms : 1;
   const int64_t deadline = deadline_of(total_ms);
   Io out{fd, true, idle_ms, deadline, err, err_len};
-  *header_len = 0;
-  if (fd < 0 || spec == nullptr || spec->lens != nullptr || !spec_ok(spec) || seg == nullptr || header_cap < 8) {
-    return out.fail(kBadArgs, "bad shm serve arguments");
+  if (header_len != nullptr) *header_len = 0;
+  if (!shm_args_ok(fd, spec, seg, seg_len, frames, frames_len, frame_ends, done, done_len, header, header_cap,
+                   header_len)) {
+    return out.fail(kBadArgs, "bad shm serve arguments (a read larger than its segment?)");
   }
   const int64_t per_layer = layer_bytes(spec);
   int64_t start = 0;
@@ -407,18 +442,20 @@ ASV_API int asv_xfer_shm_serve(int fd, const AsvSpec* spec, char* seg, const cha
 // D: for each layer receive its LAYER frame (byte for byte frames' l-th) and scatter the layer
 // from the segment into the pages, then send `done`: kOk. A frame that differs: kOtherHeader,
 // *layers_done = its layer, the frame in `header` (nothing of it copied), for the caller.
-ASV_API int asv_xfer_shm_fetch(int fd, const AsvSpec* spec, const char* seg, const char* frames,
-                               const int64_t* frame_ends, const char* done, int64_t done_len, char* header,
-                               int64_t header_cap, int64_t* header_len, int64_t* layers_done, int64_t idle_ms,
-                               int64_t total_ms, char* err, int64_t err_len) {
+// kBadArgs, nothing read, when the layers do not fit the segment or a frame lies outside `frames`.
+ASV_API int asv_xfer_shm_fetch(int fd, const AsvSpec* spec, const char* seg, int64_t seg_len, const char* frames,
+                               int64_t frames_len, const int64_t* frame_ends, const char* done, int64_t done_len,
+                               char* header, int64_t header_cap, int64_t* header_len, int64_t* layers_done,
+                               int64_t idle_ms, int64_t total_ms, char* err, int64_t err_len) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
   idle_ms = idle_ms > 0 ? idle_ms : 1;
   const int64_t deadline = deadline_of(total_ms);
   Io in{fd, false, idle_ms, deadline, err, err_len};
-  *header_len = 0;
-  *layers_done = 0;
-  if (fd < 0 || spec == nullptr || spec->lens != nullptr || !spec_ok(spec) || seg == nullptr || header_cap < 8) {
-    return in.fail(kBadArgs, "bad shm fetch arguments");
+  if (header_len != nullptr) *header_len = 0;
+  if (layers_done != nullptr) *layers_done = 0;
+  if (layers_done == nullptr || !shm_args_ok(fd, spec, seg, seg_len, frames, frames_len, frame_ends, done, done_len,
+                                             header, header_cap, header_len)) {
+    return in.fail(kBadArgs, "bad shm fetch arguments (a read larger than its segment?)");
   }
   const int64_t per_layer = layer_bytes(spec);
   int64_t start = 0;

@@ -374,6 +374,69 @@ def test_a_refusal_and_a_wrong_size_are_decoded_and_no_page_is_written(lib):
     assert error is not None and f"expected {SIZE}" in error
 
 
+def test_a_peer_that_trickles_bytes_meets_the_whole_call_deadline(lib):
+    """Progress within every idle limit does not hold a thread for ever: a call also has a budget
+    (twice the idle limit plus its bytes at MIN_RATE), and fails past it."""
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.05):
+            try:
+                b.send(b"x")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    buf = bytearray(1 << 20)  # 1 MiB: 0.1 s at MIN_RATE; the budget is about 1.1 s
+    a.settimeout(0.5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="past its deadline"):
+            native.move(a, native.Runs.buffers([memoryview(buf)], writable=True), send=False)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        t.join(5)
+        a.close(), b.close()
+    assert 0.9 < took < 5, took
+
+
+def test_an_f_order_buffer_is_left_to_the_python_path(lib):
+    """A buffer the library cannot name as one byte range is not taken (and does not raise)."""
+    f = np.asfortranarray(np.arange(12, dtype=np.uint8).reshape(3, 4))
+    assert native.Runs.buffers([memoryview(f)], writable=False) is None
+    assert native.Runs.buffers([memoryview(np.ascontiguousarray(f))], writable=False) is not None
+
+
+def test_a_read_larger_than_its_segment_is_refused_before_a_byte_is_copied(lib, monkeypatch):
+    """shm: the segment's length goes with its address; a read that would run past it is refused,
+    by native.py and by the library itself, before anything is copied or sent."""
+    kv = reader_kv()
+    runs = kv.request_runs([0, 1, 2, 3], layer_major=True)
+    seg = np.full(runs.nbytes + 4096, 7, dtype=np.uint8)  # the tail: what must stay untouched
+    short = runs.nbytes - 1
+    a, b = socket.socketpair()
+    a.settimeout(2), b.settimeout(2)
+    try:
+        for call in (native.shm_serve, native.shm_fetch):
+            with pytest.raises(ValueError, match="does not fit"):
+                call(a, runs, seg.ctypes.data, short, frames.encode({"type": "DONE"}))
+        monkeypatch.setattr(native, "_fits", lambda runs, n: None)  # the library's own check
+        before = native.counters()
+        for call in (native.shm_serve, native.shm_fetch):
+            with pytest.raises(ValueError, match="bad shm"):
+                call(a, runs, seg.ctypes.data, short, frames.encode({"type": "DONE"}))
+        assert native.counters()["copied"] == before["copied"] and native.counters()["sent"] == before["sent"]
+        assert (seg == 7).all()
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(1)  # not a frame was sent
+    finally:
+        a.close(), b.close()
+
+
 def test_another_encoding_of_the_data_header_is_still_read(lib):
     """A producer of another version may encode DATA differently: the bytes differ from what the
     native fetch expects, the header is decoded in Python and the pages still land."""

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # numpy only where pages are: the proxy imports the channel, 
 LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "_native", "libascendserve_xfer.so")
 ENV = "ASCENDSERVE_KV_NATIVE"  # "0": the Python path even where the library is built
-ABI_VERSION = 1
+ABI_VERSION = 2  # kv_xfer.cpp's kAbiVersion: a library of another version is not loaded
 DEFAULT_IDLE_S = 300.0  # a socket without a timeout still gets one
 MIN_RATE = 10e6  # bytes/s: a call's whole budget is its idle limit plus its bytes at this rate
 HEADER_CAP = 8 + 64 * 1024  # a frame's prefix and its largest header (protocol/frames.py)
@@ -87,7 +87,7 @@ class Runs:
         arrays, addrs, lens = [], [], []
         for v in views:
             m = v if isinstance(v, memoryview) else memoryview(v)
-            if not m.contiguous or (writable and m.readonly):
+            if not m.c_contiguous or (writable and m.readonly):  # (an F-order view cannot be cast)
                 return None
             a = np.frombuffer(m.cast("B") if m.format != "B" or m.ndim != 1 else m, dtype=np.uint8)
             if a.size:
@@ -132,7 +132,7 @@ def load(path: str | None = None) -> bool:
             lib.asv_xfer_fetch.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, i64, ctypes.POINTER(i64),
                                            ctypes.POINTER(_Spec), i64, i64, ctypes.POINTER(i64), ctypes.c_char_p,
                                            i64]
-            shm = [ctypes.c_int, ctypes.POINTER(_Spec), vp, vp, vp, vp, i64, vp, i64, ctypes.POINTER(i64)]
+            shm = [ctypes.c_int, ctypes.POINTER(_Spec), vp, i64, vp, i64, vp, vp, i64, vp, i64, ctypes.POINTER(i64)]
             lib.asv_xfer_shm_serve.argtypes = [*shm, i64, i64, ctypes.c_char_p, i64]
             lib.asv_xfer_shm_fetch.argtypes = [*shm, ctypes.POINTER(i64), i64, i64, ctypes.c_char_p, i64]
             for fn in (lib.asv_xfer_move, lib.asv_xfer_fetch, lib.asv_xfer_shm_serve, lib.asv_xfer_shm_fetch):
@@ -252,18 +252,26 @@ def _frames(layers: int) -> tuple[bytes, "ctypes.Array"]:
     return b"".join(parts), ends
 
 
-def shm_serve(sock: socket.socket, runs: Runs, segment: int, done: bytes) -> bytes | None:
+def _fits(runs: Runs, segment_len: int) -> None:
+    if runs.nbytes > segment_len:  # the library refuses it too: nothing is copied past the segment
+        raise ValueError(f"a read of {runs.nbytes} bytes does not fit a segment of {segment_len}")
+
+
+def shm_serve(sock: socket.socket, runs: Runs, segment: int, segment_len: int, done: bytes) -> bytes | None:
     """P's side of an shm READ after its SHM frame, GIL released throughout: for each layer (a
     base of `runs`, layer-major), its pages gathered into the segment at `segment` (an address,
-    at least runs.nbytes) and its LAYER frame sent; then D's answer read. None when it was
-    byte for byte `done`; else its prefix and header bytes for the caller to decode."""
+    `segment_len` bytes there, at least runs.nbytes) and its LAYER frame sent; then D's answer
+    read. None when it was byte for byte `done`; else its prefix and header bytes for the
+    caller to decode."""
+    _fits(runs, segment_len)
     frames_, ends = _frames(len(runs.bases))
     idle_ms, total_ms = _limits(sock, runs.nbytes)
     header, header_len = ctypes.create_string_buffer(HEADER_CAP), ctypes.c_int64(0)
     err = ctypes.create_string_buffer(256)
     spec = runs.spec()
-    rc = _lib.asv_xfer_shm_serve(_fd(sock), ctypes.byref(spec), segment, frames_, ends, done, len(done), header,
-                                 HEADER_CAP, ctypes.byref(header_len), idle_ms, total_ms, err, len(err))
+    rc = _lib.asv_xfer_shm_serve(_fd(sock), ctypes.byref(spec), segment, segment_len, frames_, len(frames_), ends,
+                                 done, len(done), header, HEADER_CAP, ctypes.byref(header_len), idle_ms, total_ms,
+                                 err, len(err))
     if rc == _OK:
         return None
     if rc == _OTHER_HEADER:
@@ -271,19 +279,22 @@ def shm_serve(sock: socket.socket, runs: Runs, segment: int, done: bytes) -> byt
     _raise(rc, err)
 
 
-def shm_fetch(sock: socket.socket, runs: Runs, segment: int, done: bytes) -> tuple[int, bytes] | None:
+def shm_fetch(sock: socket.socket, runs: Runs, segment: int, segment_len: int,
+              done: bytes) -> tuple[int, bytes] | None:
     """D's side after the SHM frame, GIL released throughout: for each layer its LAYER frame read
-    and its pages scattered from the segment at `segment` into `runs`' base of that layer; then
-    `done` sent. None when every layer came as expected; else (layer, the frame's bytes) of the
-    first frame that differed (nothing of that layer copied) for the caller to go on with."""
+    and its pages scattered from the segment at `segment` (`segment_len` bytes mapped there) into
+    `runs`' base of that layer; then `done` sent. None when every layer came as expected; else
+    (layer, the frame's bytes) of the first frame that differed (nothing of that layer copied)
+    for the caller to go on with."""
+    _fits(runs, segment_len)
     frames_, ends = _frames(len(runs.bases))
     idle_ms, total_ms = _limits(sock, runs.nbytes)
     header, header_len = ctypes.create_string_buffer(HEADER_CAP), ctypes.c_int64(0)
     layers_done, err = ctypes.c_int64(0), ctypes.create_string_buffer(256)
     spec = runs.spec()
-    rc = _lib.asv_xfer_shm_fetch(_fd(sock), ctypes.byref(spec), segment, frames_, ends, done, len(done), header,
-                                 HEADER_CAP, ctypes.byref(header_len), ctypes.byref(layers_done), idle_ms,
-                                 total_ms, err, len(err))
+    rc = _lib.asv_xfer_shm_fetch(_fd(sock), ctypes.byref(spec), segment, segment_len, frames_, len(frames_), ends,
+                                 done, len(done), header, HEADER_CAP, ctypes.byref(header_len),
+                                 ctypes.byref(layers_done), idle_ms, total_ms, err, len(err))
     if rc == _OK:
         return None
     if rc == _OTHER_HEADER:

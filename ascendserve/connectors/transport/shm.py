@@ -98,7 +98,7 @@ class ShmTransport(Transport):
         try:
             if pages.host_visible and native.enabled():  # the loop below in one call, off the GIL
                 runs = pages.request_runs(block_ids, heads, layer_major=True)
-                raw = native.shm_serve(conn, runs, out.ctypes.data, DONE)
+                raw = native.shm_serve(conn, runs, out.ctypes.data, size, DONE)
                 done = parse_frame(raw, 0) if raw is not None else {"type": "DONE"}
             else:
                 # layer by layer, so D copies layer i out while P copies layer i + 1 in
@@ -192,7 +192,8 @@ class ShmTransport(Transport):
             cur[0].close()
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
+              local_blocks: list[int], heads: tuple[int, int, int] | None, read: bytes) -> int:
+        sock.sendall(read)
         answer = read_frame(sock, 0)
         if answer["type"] != "SHM":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
@@ -206,7 +207,7 @@ class ShmTransport(Transport):
         try:
             if pages.host_visible and native.enabled():  # the loop below in one call, off the GIL
                 runs = pages.request_runs(local_blocks, mine, layer_major=True)
-                rest = native.shm_fetch(sock, runs, src.ctypes.data, DONE)
+                rest = native.shm_fetch(sock, runs, src.ctypes.data, size, DONE)
                 if rest is None:
                     return size  # every layer copied in, DONE sent
                 start, raw = rest  # a LAYER frame encoded otherwise (another version): go on here
