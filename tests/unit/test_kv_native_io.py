@@ -243,8 +243,14 @@ def _producer(native_on: bool):
     env = {**os.environ, "OMP_NUM_THREADS": "1", native.ENV: "1" if native_on else "0"}
     proc = subprocess.Popen([sys.executable, "-m", "tests.kv_layouts", *producer_args(MIXED, ["tcp", "shm"])], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    path = None
     for line in proc.stdout:
+        if line.startswith("NATIVE "):
+            path = line.split()[1]
         if line.startswith("PORTS "):
+            if path != str(int(native_on)):  # the producer serves on the path asked for, or the test says so
+                proc.kill()
+                raise AssertionError(f"the producer's native I/O is {path}, wanted {int(native_on)}")
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, json.loads(line[6:])
     proc.kill()
@@ -326,9 +332,12 @@ SIZE = PagedKV(caches(2), None).nbytes(4)
 
 
 def _pull(answer, io_timeout_s=10.0):
-    """D pulls 4 blocks from a FakeProducer answering `answer`; (error or None, seconds, received)."""
+    """D pulls 4 blocks from a FakeProducer answering `answer`; (error or None, seconds, bytes the
+    library received, whether any of D's 4 pages changed)."""
     fake = FakeProducer(answer)
-    client = ChannelClient("tok", reader_kv(), TcpTransport(), io_timeout_s=io_timeout_s)
+    kv = reader_kv()
+    pages_before = b"".join(bytes(v) for v in kv.request_views([4, 5, 6, 7]))
+    client = ChannelClient("tok", kv, TcpTransport(), io_timeout_s=io_timeout_s)
     before = native.counters()["received"]
     started = time.monotonic()
     try:
@@ -339,39 +348,54 @@ def _pull(answer, io_timeout_s=10.0):
     took = time.monotonic() - started
     client.close()
     fake.close()
-    return error, took, native.counters()["received"] - before
+    written = b"".join(bytes(v) for v in kv.request_views([4, 5, 6, 7])) != pages_before
+    return error, took, native.counters()["received"] - before, written
 
 
-def test_a_producer_that_dies_mid_payload_fails_the_read_at_once(lib):
+@pytest.fixture(params=["native", "python"])
+def io_path(request, lib, monkeypatch):
+    """Each failure both ways: the native path must fail as the Python path does (a
+    TransferError, at once or at the deadline), and leave D's pages alone where it refuses."""
+    monkeypatch.setenv(native.ENV, "1" if request.param == "native" else "0")
+    return request.param
+
+
+def test_a_producer_that_dies_mid_payload_fails_the_read_at_once(io_path):
     def half_then_close(conn):
         conn.sendall(data_header(SIZE) + bytes(SIZE // 2))
         conn.close()
 
-    error, took, received = _pull(half_then_close)
-    assert error is not None and "closed the connection mid-transfer" in error, error
-    assert f"of {SIZE} bytes" in error  # the short payload is named
-    assert took < 5 and received == len(data_header(SIZE)) + SIZE // 2  # the native path read it
+    error, took, received, _ = _pull(half_then_close)
+    assert error is not None and "closed the connection" in error, error
+    assert took < 5
+    if io_path == "native":
+        assert "mid-transfer" in error and f"of {SIZE} bytes" in error  # the short payload is named
+        assert received == len(data_header(SIZE)) + SIZE // 2  # the native path read it
+    else:
+        assert received == 0
 
 
-def test_a_producer_that_stalls_mid_payload_fails_at_the_deadline(lib):
+def test_a_producer_that_stalls_mid_payload_fails_at_the_deadline(io_path):
     def half_then_stall(conn):
         conn.sendall(data_header(SIZE) + bytes(SIZE // 2))
 
-    error, took, _ = _pull(half_then_stall, io_timeout_s=0.5)
-    assert error is not None and "no progress" in error, error
+    error, took, _, _ = _pull(half_then_stall, io_timeout_s=0.5)
+    assert error is not None and ("no progress" if io_path == "native" else "timed out") in error, error
     assert 0.4 < took < 5
 
 
-def test_a_producer_that_dies_mid_header_fails_the_read(lib):
-    error, took, _ = _pull(lambda conn: conn.sendall(data_header(SIZE)[:5]) or conn.close())
+def test_a_producer_that_dies_mid_header_fails_the_read(io_path):
+    error, took, _, _ = _pull(lambda conn: conn.sendall(data_header(SIZE)[:5]) or conn.close())
     assert error is not None and "closed" in error and took < 5, error
 
 
-def test_a_refusal_and_a_wrong_size_are_decoded_and_no_page_is_written(lib):
-    error, _, _ = _pull(lambda conn: frames.send_frame(conn, {"type": "ERR", "reason": "not held"}))
-    assert error is not None and "producer refused READ: not held" in error
-    error, _, _ = _pull(lambda conn: conn.sendall(data_header(SIZE // 2) + bytes(SIZE // 2)))
-    assert error is not None and f"expected {SIZE}" in error
+def test_a_refusal_and_a_wrong_size_are_decoded_and_no_page_is_written(io_path):
+    error, _, _, written = _pull(lambda conn: frames.send_frame(conn, {"type": "ERR", "reason": "not held"}))
+    assert error is not None and "producer refused READ: not held" in error and not written
+    error, _, received, written = _pull(lambda conn: conn.sendall(data_header(SIZE // 2) + bytes(SIZE // 2)))
+    assert error is not None and f"expected {SIZE}" in error and not written
+    if io_path == "native":  # the header only: no page byte was read
+        assert received == len(data_header(SIZE // 2))
 
 
 def test_a_peer_that_trickles_bytes_meets_the_whole_call_deadline(lib):
