@@ -14,13 +14,15 @@ may run either path (a peer of another version included).
 offset applied), each block id and each offset inside a page, `run` bytes at base + block *
 block_stride + offset (PagedKV.request_runs / layer_runs); or explicit buffers (addresses
 and lengths of host buffers, e.g. staging buffers). Each call has deadlines: the socket's
-timeout without progress, and a whole-call budget (`total_s`); a peer that closes mid-transfer
-or sends a short payload fails it at once.
+timeout without progress, and a whole-call budget (twice that timeout plus its bytes at
+MIN_RATE: `_limits`); a peer that closes mid-transfer or sends a short payload fails it at once.
+The arrays a Runs names, and what its addresses point into (`keep`), live as long as the Runs:
+the caller holds it for the whole call, during which the GIL is released.
 
 The library is loaded once (ascendserve/_native/, built by native/build.sh); without it, or
 with ASCENDSERVE_KV_NATIVE=0, the transports use their Python path (tcp.py), which moves the
-same bytes. `counters()` are the library's own (bytes sent, received, calls): tests check the
-path is really taken.
+same bytes. `counters()` are the library's own (bytes sent, received, calls, copied): tests
+check the path is really taken.
 """
 
 from __future__ import annotations
