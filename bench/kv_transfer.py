@@ -1,6 +1,7 @@
 """KV transfer between prefill and decode: our transports and connectors next to the floors.
 
-    python -m bench.kv_transfer [--tokens 4096] [--repeat 5] [--skip-e2e]
+    python -m bench.kv_transfer [--tokens 4096] [--repeat 5] [--skip-e2e] [--only mono,pull,...]
+                                [--pull-transports tcp,shm] [--io-compare]
 
 One run measures, on a tiny-but-wide model (16 layers, 8 KV heads of 64, fp32:
 64 KiB of KV per token, ~256 MiB for a 4k prompt):
@@ -15,6 +16,13 @@ One run measures, on a tiny-but-wide model (16 layers, 8 KV heads of 64, fp32:
    transport, vLLM's NixlConnector (`--kv-connector nixl`) and vLLM's ExampleConnector. P computes on core 0 and D on
    core 1 (VLLM_CPU_OMP_THREADS_BIND), as if on two hosts. Each 1P1D figure is checked against
    monolithic TTFT + 1.2 x (KV bytes / that transport's measured bandwidth).
+3. For each 1P1D pull: the in-engine pull bandwidth (D's own "KV pulled" log lines) against the
+   same transport isolated (1.), over `--engine-pulls` requests that share a prefix P has
+   cached (a short prefill, the whole prompt's KV pulled: D runs without prefix caching) and
+   over the TTFT requests; and the TTFT's breakdown (bench/_kv_engine.py): P's prefill, D's
+   wait for its pull, the pull, D's first step.
+   `--io-compare` adds tcp through the Python socket path (ASCENDSERVE_KV_NATIVE=0 on P and D)
+   beside the native one (transport/native.py), isolated and in the engines.
 vLLM's own MooncakeConnector is not in the table: on CPU-only torch it dies
 at start-up (torch.accelerator.current_device_index(), an upstream defect).
 What these hosts cannot measure: RDMA, NVLink and HCCS (NIXL and Mooncake run
@@ -120,13 +128,14 @@ def _has_mooncake() -> bool:
     return importlib.util.find_spec("mooncake") is not None
 
 
-def transport_gbps(num_blocks: int, blocks: list[int], repeat: int) -> dict[str, float]:
+def transport_gbps(num_blocks: int, blocks: list[int], repeat: int, names: list[str] | None = None
+                   ) -> dict[str, float]:
     from ascendserve.connectors.kv.pull_plan import PullSettings
     from ascendserve.connectors.kv.pull_worker import PullWorker
 
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    names = [t for t in TRANSPORTS if t != "mooncake" or _has_mooncake()]
+    names = names or [t for t in TRANSPORTS if t != "mooncake" or _has_mooncake()]
     proc = ctx.Process(target=_producer, args=(q, stop, num_blocks, len(names) * (repeat + 1), blocks))
     proc.start()
     port = q.get(timeout=120)
@@ -260,7 +269,13 @@ def measure(url: str, model: str, tokens: int, repeat: int, salt: int) -> float:
     return statistics.median(ttft(url, model, prompt(tokens, salt * 100 + i)) for i in range(repeat))
 
 
-def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, float]:
+PYTHON_IO = {"ASCENDSERVE_KV_NATIVE": "0"}  # transport/native.py off: Python's socket calls
+
+
+def end_to_end(model: Path, logs: Path, tokens: int, repeat: int, only: set[str], pull_transports: list[str],
+               io_compare: bool, kv_bytes: int, series_n: int) -> tuple[dict[str, float], dict[str, dict]]:
+    """(TTFT per topology, in-engine figures per 1P1D pull: D's pull GB/s and the breakdown)."""
+    from bench._kv_engine import breakdown, in_engine_gbps, pull_series
     from tests.procs import ascendserve, control, plain_vllm, start_all
 
     # P (and the monolithic instance) compute on core 0, D waits on core 1, as on separate
@@ -270,23 +285,30 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, f
     d_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}
     m = str(model)
     out: dict[str, float] = {}
+    engine: dict[str, dict] = {}
     salt = 1
-    mono = plain_vllm(model, logs, env=env)
-    start_all(mono)
-    try:
-        out["monolithic (plain vLLM)"] = measure(mono.url, m, tokens, repeat, salt)
-    finally:
-        mono.stop()
+    if "mono" in only:
+        mono = plain_vllm(model, logs, env=env)
+        start_all(mono)
+        try:
+            out["monolithic (plain vLLM)"] = measure(mono.url, m, tokens, repeat, salt)
+        finally:
+            mono.stop()
 
-    def pair(label_transport: list[tuple[str, str]], connector: str, p_extra=(), proxy_extra=()):
+    def pair(label_transport: list[tuple[str, str]], connector: str, p_extra=(), proxy_extra=(), io_env=None):
         nonlocal salt
+        io_env = io_env or {}
         common = ("--kv-connector", connector, "--cluster-token", TOKEN, "--log-format", "json")
-        p = ascendserve("prefill", model, logs, *common, *p_extra, name=f"prefill-{connector}-{salt}", env=env)
+        p = ascendserve("prefill", model, logs, *common, *p_extra, name=f"prefill-{connector}-{salt}",
+                        env={**env, **io_env})
         start_all(p)
         try:
             for label, transport in label_transport:
-                d = ascendserve("decode", model, logs, *common, "--kv-transport", transport,
-                                name=f"decode-{connector}-{transport}", env=d_env)
+                # a pull D without prefix caching: pull_series's requests share a prefix on P and
+                # still move the whole prompt (the TTFT prompts are fresh: it changes nothing there)
+                no_cache = ("--vllm-arg=--no-enable-prefix-caching",) if connector == "pull" else ()
+                d = ascendserve("decode", model, logs, *common, "--kv-transport", transport, *no_cache,
+                                name=f"decode-{connector}-{transport}-{salt}", env={**d_env, **io_env})
                 start_all(d)
                 try:
                     proxy = control("proxy", logs, "--prefill", f"127.0.0.1:{p.port}", "--decode",
@@ -294,7 +316,16 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, f
                     start_all(proxy)
                     try:
                         salt += 1
+                        since = time.time()
                         out[label] = measure(proxy.url, m, tokens, repeat, salt)
+                        if connector == "pull":
+                            gbps, n = in_engine_gbps(d.log_path, since, kv_bytes // 2)
+                            salt += 1
+                            fresh = [prompt(tokens, salt * 100 + i) for i in range(repeat)]
+                            parts = breakdown(p.url, d.url, d.log_path, m, fresh, kv_bytes // 2)
+                            series = pull_series(p.url, d.url, d.log_path, m, prompt(tokens - 64, salt * 100 + 99),
+                                                 series_n, kv_bytes // 2) if series_n else []
+                            engine[label] = {"gbps": gbps, "pulls": n, "breakdown": parts, "series_gbps": series}
                     finally:
                         proxy.stop()
                 finally:
@@ -302,22 +333,35 @@ def end_to_end(model: Path, logs: Path, tokens: int, repeat: int) -> dict[str, f
         finally:
             p.stop()
 
-    pair([(f"1P1D pull {t}", t) for t in TRANSPORTS if t != "mooncake" or _has_mooncake()], "pull",
-         p_extra=("--kv-transport", "mooncake" if _has_mooncake() else "tcp"))
-    meta = control("metaserver", logs, "--cluster-token", TOKEN)
-    start_all(meta)
-    try:
-        for t in TRANSPORTS:
-            if t != "mooncake" or _has_mooncake():
-                pair([(f"1P1D push {t} (layerwise)", t)], "push", p_extra=("--kv-transport", t),
-                     proxy_extra=("--mode", "push", "--metaserver-url", meta.url))
-    finally:
-        meta.stop()
-    if importlib.util.find_spec("nixl") is not None:
+    if "pull" in only:
+        pair([(f"1P1D pull {t}", t) for t in pull_transports], "pull",
+             p_extra=("--kv-transport", "mooncake" if _has_mooncake() else "tcp"))
+        if io_compare:
+            pair([("1P1D pull tcp (python I/O)", "tcp")], "pull", p_extra=("--kv-transport", "tcp"),
+                 io_env=PYTHON_IO)
+    if "push" in only:
+        meta = control("metaserver", logs, "--cluster-token", TOKEN)
+        start_all(meta)
+        try:
+            for t in TRANSPORTS:
+                if t != "mooncake" or _has_mooncake():
+                    pair([(f"1P1D push {t} (layerwise)", t)], "push", p_extra=("--kv-transport", t),
+                         proxy_extra=("--mode", "push", "--metaserver-url", meta.url))
+        finally:
+            meta.stop()
+    if "nixl" in only and importlib.util.find_spec("nixl") is not None:
         pair([("1P1D nixl (vLLM NixlConnector)", "tcp")], "nixl")
-    kv_dir = logs / "example-kv"
-    pair([("1P1D vLLM ExampleConnector", "tcp")], "example", p_extra=("--kv-path", str(kv_dir)))
-    return out
+    if "example" in only:
+        kv_dir = logs / "example-kv"
+        pair([("1P1D vLLM ExampleConnector", "tcp")], "example", p_extra=("--kv-path", str(kv_dir)))
+    return out, engine
+
+
+def _isolated_key(label: str) -> str | None:
+    """The isolated bandwidth (transport_gbps' key) a 1P1D label's bound and ratio use."""
+    if "python I/O" in label:
+        return "tcp (python I/O)"
+    return next((t for t in (*TRANSPORTS, "nixl") if f" {t}" in label), None)
 
 
 def main() -> None:
@@ -326,17 +370,41 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-e2e", action="store_true", help="bandwidth only (no vLLM instances)")
     ap.add_argument("--keep-logs", default="", help="directory to keep the instances' logs in")
+    ap.add_argument("--only", default="mono,pull,push,nixl,example",
+                    help="which TTFT topologies to run (comma-separated: mono, pull, push, nixl, example)")
+    ap.add_argument("--pull-transports", default=",".join(TRANSPORTS),
+                    help="D's transports in the 1P1D pull runs (mooncake only where installed)")
+    ap.add_argument("--io-compare", action="store_true",
+                    help="also tcp through the Python socket path (ASCENDSERVE_KV_NATIVE=0), isolated and 1P1D")
+    ap.add_argument("--engine-pulls", type=int, default=16,
+                    help="in-engine pulls per 1P1D pull run with a short prefill (P's prefix cache), for the GB/s")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    pull_transports = [t for t in args.pull_transports.split(",") if t in TRANSPORTS
+                       and (t != "mooncake" or _has_mooncake())]
     blocks_n = -(-args.tokens // BLOCK)
     num_blocks = blocks_n + 8
     kv_bytes = LAYERS * blocks_n * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4
     blocks = list(range(3, 3 + blocks_n))
     print(f"KV of a {args.tokens}-token prompt: {blocks_n} blocks x {LAYERS} layers = {kv_bytes / 2**20:.0f} MiB",
           flush=True)
+    try:
+        from ascendserve.connectors.transport import native
+
+        io = "native" if native.enabled() else "python: " + native.why_not()
+    except ImportError:  # a tree from before the native data path
+        io = "python (no native data path in this tree)"
+    print(f"KV transfer I/O here: {io}", flush=True)
     floors = {"raw TCP socket (loopback)": raw_socket_gbps(kv_bytes, args.repeat),
               "memcpy (numpy, 1 thread)": memcpy_gbps(kv_bytes, args.repeat)}
     ours = transport_gbps(num_blocks, blocks, args.repeat)
+    if args.io_compare:
+        os.environ.update(PYTHON_IO)  # the producer process inherits it
+        try:
+            ours["tcp (python I/O)"] = transport_gbps(num_blocks, blocks, args.repeat, ["tcp"])["tcp"]
+        finally:
+            os.environ.pop("ASCENDSERVE_KV_NATIVE")
     nixl = nixl_gbps(num_blocks, blocks, args.repeat)
     if nixl is not None:
         ours["nixl"] = nixl
@@ -355,18 +423,48 @@ def main() -> None:
             logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             model = build_model(root)
-            e2e = end_to_end(model, logs, args.tokens, args.repeat)
-        mono = e2e["monolithic (plain vLLM)"]
-        rows = []
-        for label, v in e2e.items():
-            transport = next((t for t in (*TRANSPORTS, "nixl") if f" {t}" in label), None)
-            bound = mono + 1.2 * kv_bytes / (ours[transport] * 1e9) if transport in ours and "1P1D" in label else None
-            rows.append([label, v, f"{v / mono:.2f}x", f"{bound:.3f}" if bound else "-",
-                         ("ok" if v <= bound else "over") if bound else "-"])
-        text += "\n" + table(f"TTFT of a {args.tokens}-token prompt (s, median of {args.repeat})",
-                             ["topology", "TTFT s", "x monolithic", "bound s", "within"], rows)
-        result["ttft_s"] = e2e
+            e2e, engine = end_to_end(model, logs, args.tokens, args.repeat, only, pull_transports,
+                                     args.io_compare, kv_bytes, args.engine_pulls)
+        text += "\n" + _e2e_tables(e2e, engine, ours, kv_bytes, args.tokens, args.repeat)
+        result["ttft_s"], result["in_engine"] = e2e, engine
     save("kv_transfer", {**result, "table": text})
+
+
+def _e2e_tables(e2e: dict, engine: dict, ours: dict, kv_bytes: int, tokens: int, repeat: int) -> str:
+    mono = e2e.get("monolithic (plain vLLM)")
+    rows = []
+    for label, v in e2e.items():
+        key = _isolated_key(label)
+        bound = mono + 1.2 * kv_bytes / (ours[key] * 1e9) if mono and key in ours and "1P1D" in label else None
+        rows.append([label, v, f"{v / mono:.2f}x" if mono else "-", f"{bound:.3f}" if bound else "-",
+                     ("ok" if v <= bound else "over") if bound else "-"])
+    text = table(f"TTFT of a {tokens}-token prompt (s, median of {repeat})",
+                 ["topology", "TTFT s", "x monolithic", "bound s", "within"], rows)
+    if not engine:
+        return text
+    rows = []
+    for label, e in engine.items():
+        iso = ours.get(_isolated_key(label))
+        series = e.get("series_gbps") or []
+        gbps = statistics.median(series) if series else e["gbps"]
+        rows.append([label, gbps if gbps is not None else "-", len(series) or e["pulls"],
+                     f"{min(series):.2f}-{max(series):.2f}" if series else "-",
+                     e["gbps"] if e["gbps"] is not None else "-", iso if iso else "-",
+                     f"{gbps / iso:.2f}x" if gbps and iso else "-"])
+    text += "\n" + table(f"In-engine pull of a {kv_bytes / 2**20:.0f} MiB KV (D's 'KV pulled' lines; median of the "
+                         "short-prefill series, and of the TTFT runs) vs the same transport isolated (GB/s)",
+                         ["1P1D", "in-engine GB/s", "pulls", "range", "in TTFT runs", "isolated GB/s",
+                          "in-engine / isolated"], rows)
+    rows = []
+    for label, e in engine.items():
+        b = e["breakdown"]
+        rows.append([label, e2e.get(label, "-"), b["total"], b["prefill"], b["d_wait"], b["pull"], b["d_first_step"],
+                     mono if mono else "-"])
+    text += "\n" + table(f"1P1D TTFT breakdown, {tokens}-token prompt (s, median of {repeat}; P then D "
+                         "from this client, as the proxy's pull flow)",
+                         ["1P1D", "TTFT via proxy", "direct total", "P prefill", "D wait", "D pull",
+                          "D first step", "monolithic"], rows)
+    return text
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build libascendserve_ops.so (the torch.ops.ascendserve CPU kernels) and, when
+# Build libascendserve_ops.so (the torch.ops.ascendserve CPU kernels),
+# libascendserve_xfer.so (the KV side channel's socket I/O off the GIL, a plain C
+# ABI for ctypes: ascendserve/connectors/transport/native.py) and, when
 # an nvcc is found, libascendserve_cuda.so (CUDA kernels behind a plain C ABI,
 # no torch: ascendserve/ops.py calls them through ctypes); copy them to OUT_DIR
 # (default: ascendserve/_native/, where ascendserve/ops.py loads them).
@@ -25,6 +27,7 @@ REPO=$(dirname "$HERE")
 OUT=${1:-$REPO/ascendserve/_native}
 BUILD=$REPO/build/native
 LIB=libascendserve_ops.so
+XFER_LIB=libascendserve_xfer.so
 VENV=${ASCENDSERVE_VENV:-$HOME/.venvs/ascendserve}
 if [ -n "${PYTHON:-}" ]; then
     PY=$PYTHON
@@ -175,6 +178,7 @@ install_lib() {
 
 mkdir -p "$OUT"
 install_lib "$BUILD/$LIB" "$LIB"
+install_lib "$BUILD/$XFER_LIB" "$XFER_LIB"
 cuda_rc=0
 build_cuda || cuda_rc=$?
 if [ "$cuda_rc" = 0 ]; then
@@ -185,4 +189,4 @@ else
     [ "$cuda_rc" = 2 ] || echo "native: $CUDA_NOTE; going on with the CPU library" >&2
 fi
 secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.1f", e - s }')
-echo "native: $OUT/$LIB ready (CPU kernels; $CUDA_NOTE) in ${secs}s"
+echo "native: $OUT/$LIB ready (CPU kernels; $CUDA_NOTE; KV transfer I/O $XFER_LIB) in ${secs}s"

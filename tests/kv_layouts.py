@@ -167,6 +167,9 @@ def main(argv: list[str]) -> None:
                 server.start()
                 servers.append(server)
             ports[f"{case.name}/{'staged' if staged else 'host'}"] = base
+    from ascendserve.connectors.transport import native
+
+    print(f"NATIVE {int(native.enabled())}", flush=True)  # which I/O path this producer serves with
     print("PORTS " + json.dumps(ports), flush=True)
     sys.stdin.read()
     for server in servers:

@@ -73,6 +73,19 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> b
     return None if into is not None else bytes(buf)
 
 
+def parse_frame(raw: bytes, max_payload: int) -> dict:
+    """`read_frame` of a frame's prefix and header already read (the native data path hands
+    back the ones it did not expect)."""
+    if len(raw) < PREFIX.size:
+        raise FrameError("truncated frame prefix")
+    if len(raw) != PREFIX.size + header_length(raw[:PREFIX.size]):
+        raise FrameError("truncated frame header")
+    header = decode_header(raw[:PREFIX.size], raw[PREFIX.size:])
+    if header.get("payload", 0) > max_payload:
+        raise FrameError(f"payload of {header['payload']} bytes exceeds {max_payload}")
+    return header
+
+
 def read_frame(sock: socket.socket, max_payload: int) -> dict:
     """Read one frame's header; the caller reads `header["payload"]` bytes after."""
     prefix = recv_exact(sock, PREFIX.size)

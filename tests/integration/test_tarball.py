@@ -129,6 +129,20 @@ def test_bundle_loads_our_plugins(release, clean_env, tmp_path):
     assert "ascendserve.engine.plugin" in out
 
 
+def test_bundle_loads_the_native_libraries(release, clean_env, tmp_path):
+    """The tarball ships ascendserve/_native/ (build.sh copies our packages from the checkout)
+    and each library is found from the bundle's own copy of the package: the block-copy ops
+    (ops.py) and the KV side channel's I/O (transport/native.py)."""
+    code = ("from ascendserve import ops; from ascendserve.connectors.transport import native; "
+            "print('ops', ops.load_native(), ops.LIBRARY); print('xfer', native.enabled(), native.LIBRARY, "
+            "native.why_not())")
+    out, _ = _run(release, clean_env, tmp_path / "cwd", "-c", code, timeout=120)
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("ops ", "xfer ")))
+    for name in ("ops", "xfer"):
+        loaded, path = lines[name].split()[:2]
+        assert loaded == "True" and Path(path).resolve().is_relative_to((release / "bin").resolve()), out
+
+
 def _group_alive(pgid: int) -> list[psutil.Process]:
     alive = []
     for proc in psutil.process_iter():

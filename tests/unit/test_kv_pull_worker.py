@@ -382,3 +382,35 @@ def test_a_socket_past_fd_setsize_is_not_taken_for_closed():
     finally:
         high.close()
         a.close()
+
+
+def test_an_idle_step_waits_longer_while_a_transfer_is_in_flight_and_no_longer_than_it(pair, monkeypatch):
+    """A CPU host's idle steps, one per 5 ms, had the engine loops take most of the cores during
+    a pull: while one is in flight an idle step waits up to TRANSFER_STEP_WAIT_S, and returns
+    the moment it ends (the pull's own end is never delayed)."""
+    p, d, port = pair
+    p.start_load_kv(PullMetadata(send={"r": ([1], 30.0)}, idle=True))
+    assert p._idle_wait() == pull_worker.IDLE_STEP_WAIT_S  # held, nothing being read
+    p.acquire("r", [1])  # a read being served
+    assert p._idle_wait() == pull_worker.TRANSFER_STEP_WAIT_S
+    # a wait far longer than the read, so that returning early can only be the read's end waking
+    # it (not a timer that fired late on a loaded host)
+    monkeypatch.setattr(pull_worker, "TRANSFER_STEP_WAIT_S", 10.0)
+    threading.Timer(0.1, p.release, args=("r",)).start()
+    started = time.monotonic()
+    p.get_transfer_results()
+    took = time.monotonic() - started
+    assert 0.09 < took < 5, took  # it waited for the read, and was woken by its end
+    assert p._idle_wait() == pull_worker.IDLE_STEP_WAIT_S
+    with d._lock:
+        d._pending += 1  # D: a pull queued or running
+    assert d._idle_wait() == pull_worker.TRANSFER_STEP_WAIT_S
+    with d._lock:
+        d._pending -= 1
+    staged = PullWorker(settings(), "tok", tp_rank=0, producer=False)
+    staged.register_kv_caches(caches(3))
+    staged.kv.device = torch.device("cuda")  # what a device's cache reports: its host has cores to spare
+    with staged._lock:
+        staged._pending += 1
+    assert staged._idle_wait() == pull_worker.IDLE_STEP_WAIT_S
+    staged.shutdown()

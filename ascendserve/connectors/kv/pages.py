@@ -41,6 +41,7 @@ import torch
 from ascendserve import ops
 from ascendserve.connectors.kv import page_geometry
 from ascendserve.connectors.kv.staging import DEFAULT_BUDGET, StagingPool
+from ascendserve.connectors.transport.native import Runs
 from ascendserve.ops import gather_pages, scatter_pages
 
 log = structlog.get_logger("ascendserve.kv")
@@ -377,6 +378,46 @@ class PagedKV:
                                                      strides=(self.block_stride, 1))
             return [memoryview(blocks[b]) for b in self._index(block_ids)]
         return [v for layer in self.page_views(block_ids, heads) for v in layer]
+
+    # ---- runs by address (the native data path: transport/native.py) ------------------
+    def request_runs(self, block_ids: list[int], heads: tuple[int, int] | None = None,
+                     layer_major: bool = False) -> Runs:
+        """`request_views` as addresses, without a Python object per run: the same bytes in
+        the same order, for the native transfer path. `layer_major`: one base per layer even
+        where whole cross-layer blocks would move as one piece (the shm segment's order)."""
+        self._host_only()
+        idx = self._index(block_ids)
+        if heads is None and self.whole_blocks() and not layer_major:
+            first = min(range(self.num_layers), key=lambda i: self._offset[i])
+            return self._checked([self._address(first)], idx, [0], self.num_layers * self.page_bytes, [first])
+        return self._layer_runs(range(self.num_layers), idx, heads)
+
+    def layer_runs(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None) -> Runs:
+        """`layer_views` as addresses."""
+        self._host_only()
+        return self._layer_runs([layer], self._index(block_ids), heads)
+
+    def _layer_runs(self, layers, idx: np.ndarray, heads: tuple[int, int] | None) -> Runs:
+        first, count = self._heads(heads)
+        outer, run = self._split(count)
+        layers = list(layers)
+        bases = [self._address(i) + first * self._stride["h"] for i in layers]
+        return self._checked(bases, idx, page_geometry.offsets(outer), run, layers)
+
+    def _address(self, layer: int) -> int:
+        """Address of block 0 of `layer` (host memory)."""
+        return self._storage[layer].ctypes.data + self._offset[layer]
+
+    def _checked(self, bases: list[int], idx: np.ndarray, offsets: list[int], run: int, layers) -> Runs:
+        """Runs, once every byte they name is inside its layer's allocation (a wrong address
+        would be written by the native code, not refused)."""
+        if len(idx) and run:
+            last = int(idx.max()) * self.block_stride + max(offsets) + run
+            for base, layer in zip(bases, layers):
+                start = self._storage[layer].ctypes.data
+                if base < start or base + last > start + self._storage[layer].nbytes:
+                    raise ValueError(f"runs of layer {layer} would leave its allocation")
+        return Runs.structured(bases, idx, self.block_stride, offsets, run, keep=self)
 
     def geometry(self) -> dict:
         """Where this process's pages are, as numbers (page_geometry.addresses reads it; a

@@ -48,6 +48,15 @@ TRANSFER_THREADS = 4
 # waiting for them, spins its engine loop flat out; on a small CPU host that
 # spinning starved the transfer threads for minutes.
 IDLE_STEP_WAIT_S = 0.005
+# ... and this long while a transfer is in flight on this worker (D: a pull queued or running;
+# P: a read being served) and the KV cache is in host memory. The wait ends the moment the
+# transfer does; what it bounds is the delay of a request that reaches an otherwise idle engine
+# meanwhile. On a CPU host every idle step has the engine core spin on the worker's answer
+# (vLLM's shm reader spins for 20 ms after a read: engine/patches/idle_poll.py), and at one step
+# per 5 ms the engine loops of P and D took ~60% of a 2-core host's CPU during a 256 MiB pull
+# (measured with bench/kv_transfer.py's engines: pull 1.8 -> 2.4 GB/s at 50 ms). Device hosts
+# have cores to spare and keep 5 ms.
+TRANSFER_STEP_WAIT_S = 0.05
 
 
 @dataclass
@@ -88,6 +97,7 @@ class PullWorker:
         self._threads: list[threading.Thread] = []
         self._idle_step = False
         self._pending = 0  # pulls queued or running
+        self._reading = 0  # P: reads being served
         self.stats = StatsRecorder()
 
     # ---- set-up ----------------------------------------------------------
@@ -151,15 +161,17 @@ class PullWorker:
             if not set(block_ids) <= held.blocks:
                 raise ValueError(f"request {request_id} does not hold blocks {sorted(set(block_ids) - held.blocks)}")
             held.readers += 1
+            self._reading += 1
 
     def release(self, request_id: str) -> None:
         with self._lock:
+            self._reading -= 1
             held = self._held.get(request_id)
             if held is not None:
                 held.readers -= 1
                 if not held.freed:  # D reads in parts or retries: give it a moment more
                     held.deadline = max(held.deadline, time.monotonic() + 5.0)
-                self._changed.notify_all()
+            self._changed.notify_all()  # an idle step waiting for this read goes on
 
     def free(self, request_id: str) -> None:
         with self._lock:
@@ -232,12 +244,18 @@ class PullWorker:
         with self._lock:
             self._expire()
             if self._idle_step and not (self._sent or self._recvd) and (self._held or self._pending):
-                self._changed.wait(IDLE_STEP_WAIT_S)
+                self._changed.wait(self._idle_wait())
                 self._expire()
             self._idle_step = False
             sent, recvd, failed = self._sent, self._recvd, self._failed
             self._sent, self._recvd, self._failed = set(), set(), set()
         return sent, recvd, failed
+
+    def _idle_wait(self) -> float:
+        """How long an idle step waits for a transfer to finish (called locked)."""
+        in_flight = self._pending or self._reading
+        return TRANSFER_STEP_WAIT_S if in_flight and self.kv is not None and self.kv.device.type == "cpu" \
+            else IDLE_STEP_WAIT_S
 
     def held_count(self) -> int:
         with self._lock:

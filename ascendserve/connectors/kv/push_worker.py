@@ -31,9 +31,9 @@ from ascendserve.connectors.transport import make_transport
 from ascendserve.connectors.transport.base import TransferError
 from ascendserve.connectors.transport.channel import ChannelServer, _tune
 from ascendserve.connectors.transport.mooncake import coalesce
-from ascendserve.connectors.transport.tcp import TcpTransport
+from ascendserve.connectors.transport.tcp import TcpTransport, send_views
 from ascendserve.connectors.transport.threads import unpin_current_thread
-from ascendserve.protocol.frames import FrameError, read_frame, send_frame
+from ascendserve.protocol.frames import FrameError, encode, read_frame, send_frame
 
 log = structlog.get_logger("ascendserve.kv.push")
 SENDER_THREADS = 4
@@ -153,8 +153,9 @@ class _Sender:
                     if data is None:
                         moved = self._push_direct(sock, host, port, request_id, layer, job[7], remote)
                     else:
-                        send_frame(sock, {"type": "PUSH", "request_id": request_id, "layer": layer,
-                                          "blocks": remote}, memoryview(data.reshape(-1)))
+                        header = {"type": "PUSH", "request_id": request_id, "layer": layer, "blocks": remote}
+                        # the header and the pages in one native call (GIL released) where built
+                        send_views(sock, [memoryview(data.reshape(-1))], prefix=encode(header, nbytes))
                         moved = nbytes
                     self.sent[request_id] = self.sent.get(request_id, 0) + moved
                 else:

@@ -68,6 +68,12 @@ class Pages(Protocol):
     def request_views(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> list[memoryview]:
         """Every run a read of these blocks moves, in transfer order."""
 
+    def request_runs(self, block_ids: list[int], heads: tuple[int, int] | None = None):
+        """`request_views` as addresses (transport/native.Runs), for the native data path."""
+
+    def layer_runs(self, layer: int, block_ids: list[int], heads: tuple[int, int] | None = None):
+        """`layer_views` as addresses."""
+
     def whole_blocks(self) -> bool:
         """Whether whole-page reads move cross-layer blocks as one piece (request_views)."""
 
@@ -129,10 +135,12 @@ class Transport(ABC):
 
     @abstractmethod
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
-        """Consumer: after READ was sent on `sock`, land the remote pages in `local_blocks`
-        (heads = (first on P, first here, count) for a head run); return the bytes moved.
-        Raise TransferError (or OSError/FrameError) on failure."""
+              local_blocks: list[int], heads: tuple[int, int, int] | None, read: bytes) -> int:
+        """Consumer: send `read` (the READ frame, encoded) on `sock`, then land the remote pages
+        in `local_blocks` (heads = (first on P, first here, count) for a head run); return the
+        bytes moved. The transport sends READ itself so that it may send it with the read's
+        first bytes (tcp: in the same native call). Raise TransferError (or OSError/FrameError)
+        on failure."""
 
     def close(self) -> None:
         return None

@@ -28,8 +28,8 @@ import structlog
 from ascendserve.connectors.kv.page_geometry import layout_mismatch
 from ascendserve.connectors.transport.base import Holds, Pages, PushSink, TransferError, Transport
 from ascendserve.connectors.transport.threads import unpin_current_thread
-from ascendserve.connectors.transport.tcp import recv_views
-from ascendserve.protocol.frames import FrameError, read_frame, send_frame
+from ascendserve.connectors.transport.tcp import recv_layer, recv_views
+from ascendserve.protocol.frames import FrameError, encode, read_frame, send_frame
 
 log = structlog.get_logger("ascendserve.kv.channel")
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -135,7 +135,7 @@ class ChannelServer:
             try:  # checked first, then received straight into the reserved pages
                 self.sink.check(request_id, blocks)
                 if self.pages.host_visible:
-                    recv_views(conn, self.pages.layer_views(layer, blocks))
+                    recv_layer(conn, self.pages, layer, blocks)
                 else:  # device pages: through a host buffer, scattered by the sink
                     import numpy as np  # not at the top: the proxy imports this module
 
@@ -305,15 +305,17 @@ class ChannelClient:
         if len(remote_blocks) != len(local_blocks):
             raise TransferError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote")
         sock, offer = self._connect(host, port)
-        try:
-            read = {"type": "READ", "request_id": request_id, "blocks": remote_blocks}
-            if heads is not None:
-                read["heads"] = [heads[0], heads[2]]
-            send_frame(sock, read)
-            moved = self.transport.fetch(sock, offer, self.pages, remote_blocks, local_blocks, heads)
+        read = {"type": "READ", "request_id": request_id, "blocks": remote_blocks}
+        if heads is not None:
+            read["heads"] = [heads[0], heads[2]]
+        try:  # encoded in here: a READ over the header limit is a FrameError like any other
+            moved = self.transport.fetch(sock, offer, self.pages, remote_blocks, local_blocks, heads, encode(read))
         except (OSError, FrameError, TransferError) as exc:
             sock.close()  # its state is unknown after a failure
             raise TransferError(f"KV read of {request_id} from {host}:{port} failed: {exc}") from None
+        except BaseException:  # e.g. ValueError: local blocks out of range; never back to the pool
+            sock.close()
+            raise
         self._release(host, port, (sock, offer))
         return moved
 

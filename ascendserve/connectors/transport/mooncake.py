@@ -124,10 +124,11 @@ class MooncakeTransport(Transport):
             raise TransferError(f"expected DONE after GRANT, got {done['type']}")
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
+              local_blocks: list[int], heads: tuple[int, int, int] | None, read: bytes) -> int:
         peer = offer.get("mooncake")
         if not isinstance(peer, dict) or not isinstance(peer.get("geometry"), dict):
             raise TransferError("producer does not offer the mooncake transport (start it with transport=mooncake)")
+        sock.sendall(read)
         answer = read_frame(sock, 0)
         if answer["type"] != "GRANT":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")

@@ -11,6 +11,10 @@ connection's life), so a crash of either side leaves nothing behind; before
 that, Python's resource tracker unlinks it if P dies. D maps segments
 without registering them anywhere. A D on another host cannot open the name and fails the transfer
 with a clear error instead of reading garbage.
+
+Where libascendserve_xfer.so is built (transport/native.py) each side's layer loop is
+one call with the GIL released: P's gathers, LAYER frames and D's DONE; D's LAYER frames,
+scatters and DONE. The frames are the same; a peer on the Python loop still interoperates.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from ascendserve.connectors.transport import native
 from ascendserve.connectors.transport.base import Pages, TransferError, Transport
-from ascendserve.protocol.frames import read_frame, send_frame
+from ascendserve.protocol.frames import encode, parse_frame, read_frame, send_frame
 
 SHM_DIR = "/dev/shm"
+DONE = encode({"type": "DONE"})
 _names = itertools.count()
 
 
@@ -89,12 +95,20 @@ class ShmTransport(Transport):
         out = np.ndarray((pages.num_layers, len(block_ids), size // max(1, pages.num_layers * len(block_ids))),
                          dtype=np.uint8, buffer=seg.buf)
         send_frame(conn, {"type": "SHM", "name": seg.name, "size": size})
-        # layer by layer, so D copies layer i out while P copies layer i + 1 in
-        for layer in range(pages.num_layers):
-            pages.gather_layer_into(layer, block_ids, out[layer], heads)
-            send_frame(conn, {"type": "LAYER", "layer": layer})
-        del out  # no export may outlive the segment
-        done = read_frame(conn, 0)
+        try:
+            if pages.host_visible and native.enabled():  # the loop below in one call, off the GIL
+                runs = pages.request_runs(block_ids, heads, layer_major=True)
+                raw = native.shm_serve(conn, runs, out.ctypes.data, size, DONE)
+                done = parse_frame(raw, 0) if raw is not None else {"type": "DONE"}
+            else:
+                # layer by layer, so D copies layer i out while P copies layer i + 1 in
+                for layer in range(pages.num_layers):
+                    pages.gather_layer_into(layer, block_ids, out[layer], heads)
+                    send_frame(conn, {"type": "LAYER", "layer": layer})
+                done = None
+        finally:
+            del out  # no export may outlive the segment
+        done = done or read_frame(conn, 0)
         if done["type"] != "DONE":
             raise TransferError(f"expected DONE after SHM, got {done['type']}")
         self.mapped_by_peer()
@@ -178,7 +192,8 @@ class ShmTransport(Transport):
             cur[0].close()
 
     def fetch(self, sock: socket.socket, offer: dict, pages: Pages, remote_blocks: list[int],
-              local_blocks: list[int], heads: tuple[int, int, int] | None) -> int:
+              local_blocks: list[int], heads: tuple[int, int, int] | None, read: bytes) -> int:
+        sock.sendall(read)
         answer = read_frame(sock, 0)
         if answer["type"] != "SHM":
             raise TransferError(f"producer refused READ: {answer.get('reason')}")
@@ -186,14 +201,24 @@ class ShmTransport(Transport):
         if answer.get("size") != size or not isinstance(answer.get("name"), str):
             raise TransferError(f"producer offered {answer.get('size')} bytes, expected {size}")
         m = self._map(sock, answer["name"], size)
-        src = np.frombuffer(m, dtype=np.uint8, count=size).reshape(pages.num_layers, len(local_blocks), -1)
+        src = np.frombuffer(m, dtype=np.uint8, count=size)
         mine = (heads[1], heads[2]) if heads else None
+        start, ready = 0, None
         try:
-            for layer in range(pages.num_layers):
-                ready = read_frame(sock, 0)
+            if pages.host_visible and native.enabled():  # the loop below in one call, off the GIL
+                runs = pages.request_runs(local_blocks, mine, layer_major=True)
+                rest = native.shm_fetch(sock, runs, src.ctypes.data, size, DONE)
+                if rest is None:
+                    return size  # every layer copied in, DONE sent
+                start, raw = rest  # a LAYER frame encoded otherwise (another version): go on here
+                ready = parse_frame(raw, 0)
+            src = src.reshape(pages.num_layers, len(local_blocks), -1)
+            for layer in range(start, pages.num_layers):
+                ready = ready if layer == start and ready is not None else read_frame(sock, 0)
                 if ready["type"] != "LAYER" or ready.get("layer") != layer:
                     raise TransferError(f"expected LAYER {layer}, got {ready['type']} {ready.get('layer')}")
                 pages.scatter_layer(layer, local_blocks, src[layer], mine)
+                ready = None
         finally:
             del src
         send_frame(sock, {"type": "DONE"})
