@@ -120,7 +120,10 @@ class MappedSource:
     def send(self, sock, entry: TensorEntry) -> None:
         # socket.sendfile: the kernel copies from the page cache, and it honours the socket's
         # timeout (a bare os.sendfile on a socket with a timeout fails with EAGAIN once the
-        # send buffer is full)
+        # send buffer is full). An empty tensor sends nothing (sendfile refuses count=0 with a
+        # ValueError, which ended the connection's thread)
+        if not entry.nbytes:
+            return
         sent = sock.sendfile(self._files[entry.file], offset=entry.offset, count=entry.nbytes)
         if sent != entry.nbytes:
             raise ConnectionError(f"sent {sent} of {entry.nbytes} bytes of {entry.name} (file truncated?)")
