@@ -5,8 +5,9 @@
     source = MemorySource(index)                   # bytes read into RAM once (elastic-server)
 
 The manifest a seed sends is this index: tensor name, dtype, shape, byte
-size and a CRC-32 of the bytes, plus the model's identity (a digest of its
-config.json), so a joiner can refuse another model before any data moves.
+size and the CRC32C of the bytes (wire.py), plus the model's identity (a
+digest of its config.json), so a joiner can refuse another model before any
+data moves.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import json
 import mmap
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from ascendserve.netloader import wire
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 # safetensors dtype -> bytes per element (what a receiver needs to size a buffer)
@@ -36,7 +38,7 @@ class TensorEntry:
     dtype: str  # safetensors spelling: F32, BF16, ...
     shape: tuple[int, ...]
     nbytes: int
-    crc32: int
+    crc32c: int
     file: str
     offset: int  # of the first byte in `file`
 
@@ -82,6 +84,10 @@ class CheckpointIndex:
     @classmethod
     def scan(cls, model_dir: str | os.PathLike) -> "CheckpointIndex":
         root = Path(model_dir)
+        try:
+            wire.require_checksum()
+        except wire.ChecksumUnavailable as exc:
+            raise CheckpointError(str(exc)) from None
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{root}: no *.safetensors weights to serve")
@@ -101,12 +107,13 @@ class CheckpointIndex:
                         raise CheckpointError(f"{path}: bad entry {name!r}") from None
                     if dtype not in DTYPE_BYTES or not 0 <= begin <= end or data_start + end > size:
                         raise CheckpointError(f"{path}: entry {name!r} out of bounds or of unknown dtype {dtype}")
-                    crc = zlib.crc32(memoryview(m)[data_start + begin:data_start + end])
+                    crc = wire.crc32c(memoryview(m)[data_start + begin:data_start + end])
                     entries.append(TensorEntry(name, dtype, shape, end - begin, crc, str(path), data_start + begin))
         return cls(str(root), entries, identity(root))
 
     def manifest(self) -> list[dict]:
-        return [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes, "crc32": e.crc32}
+        return [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes,
+                 wire.CHECKSUM: e.crc32c}
                 for e in self.entries]
 
 

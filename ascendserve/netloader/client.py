@@ -3,7 +3,7 @@
 `fetch()` checks the seed's answer before any data moves (the token was
 accepted, the manifest is well formed, it describes this model, the host has
 memory for it), receives every tensor into one host buffer, verifies each
-CRC-32 on a second thread while the next tensor arrives, and only then
+CRC32C on a second thread while the next tensor arrives, and only then
 returns tensors. A seed that dies, stalls past `timeout_s`, lies about a
 byte or serves another model raises NetLoadError; nothing has touched the
 model's parameters by then, so the caller's disk fallback starts clean.
@@ -17,10 +17,10 @@ import socket
 import sys
 import threading
 import time
-import zlib
 
 import structlog
 
+from ascendserve.netloader import wire
 from ascendserve.netloader.checkpoint import DTYPE_BYTES
 from ascendserve.protocol.frames import FrameError, read_frame, recv_exact, send_frame
 
@@ -53,7 +53,7 @@ def _check_manifest(ack: dict, expect_identity: dict) -> list[dict]:
         ok = isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str) \
             and e["dtype"] in DTYPE_BYTES \
             and isinstance(e.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in e["shape"]) \
-            and isinstance(e.get("crc32"), int) and e.get("nbytes") == math.prod(e["shape"]) * DTYPE_BYTES[e["dtype"]]
+            and isinstance(e.get(wire.CHECKSUM), int) and e.get("nbytes") == math.prod(e["shape"]) * DTYPE_BYTES[e["dtype"]]
         if not ok or e["name"] in names:
             raise NetLoadError(f"malformed manifest entry {str(e)[:200]}")
         names.add(e["name"])
@@ -97,74 +97,94 @@ def fetch(address: str, token: str, expect_identity: dict, join_info: dict, time
           max_bytes: int | None = None, verify: bool = True):
     """[(name, torch.Tensor)] of every tensor the seed at `address` serves, verified.
 
-    `verify=False` skips the CRC-32 checks: only bench/netloader.py uses it, to show
+    `verify=False` skips the CRC32C checks: only bench/netloader.py uses it, to show
     what the checks cost; the loader always verifies."""
-    import numpy as np
-    import torch
-
+    try:
+        wire.require_checksum()
+    except wire.ChecksumUnavailable as exc:
+        raise NetLoadError(str(exc)) from None
     host, port = parse_address(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as exc:
         raise NetLoadError(f"seed {address} unreachable: {exc}") from None
     with sock:
-        sock.settimeout(timeout_s)
+        return receive(sock, address, token, expect_identity, join_info, timeout_s, max_bytes, verify)
+
+
+def receive(sock: socket.socket, address: str, token: str, expect_identity: dict, join_info: dict,
+            timeout_s: float, max_bytes: int | None = None, verify: bool = True):
+    """fetch() on a connected socket (the caller closes it): JOIN, check, GET, receive, verify."""
+    import torch
+
+    sock.settimeout(timeout_s)
+    try:
+        send_frame(sock, {"type": "JOIN", "token": token, "identity": expect_identity, **join_info,
+                          "version": wire.WIRE_VERSION})
+        ack = read_frame(sock, 0)
+        if ack["type"] == "JOIN_NACK":
+            raise NetLoadError(f"seed {address} refused: {str(ack.get('reason'))[:500]}")
+        if ack["type"] != "JOIN_ACK":
+            raise NetLoadError(f"seed {address} answered {ack['type']} to JOIN")
+        if (why := wire.ack_refusal(ack)) is not None:
+            raise NetLoadError(f"seed {address}: {why}")
+        manifest = _check_manifest(ack, expect_identity)
+        offsets, total = [], 0
+        for e in manifest:
+            offsets.append(total)
+            total += -(-e["nbytes"] // ALIGN) * ALIGN
+        if max_bytes is not None and total > max_bytes:
+            raise NetLoadError(f"weights of {total / 2**30:.2f} GiB exceed the {max_bytes / 2**30:.2f} GiB "
+                               "this host can hold")
+        buf = receive_buffer(total)
+        raw = memoryview(buf.numpy())
+        send_frame(sock, {"type": "GET"})
+        progress = Progress(ack["total_bytes"], f"netloader {address}")
+        bad: list[str] = []
+        checks: queue.Queue = queue.Queue()
+        checker = threading.Thread(target=_verify, args=(checks, manifest, raw, offsets, bad), daemon=True,
+                                   name="netloader-crc32c")
+        checker.start()
         try:
-            send_frame(sock, {"type": "JOIN", "token": token, "identity": expect_identity, **join_info})
-            ack = read_frame(sock, 0)
-            if ack["type"] == "JOIN_NACK":
-                raise NetLoadError(f"seed {address} refused: {ack.get('reason')}")
-            if ack["type"] != "JOIN_ACK":
-                raise NetLoadError(f"seed {address} answered {ack['type']} to JOIN")
-            manifest = _check_manifest(ack, expect_identity)
-            offsets, total = [], 0
-            for e in manifest:
-                offsets.append(total)
-                total += -(-e["nbytes"] // ALIGN) * ALIGN
-            if max_bytes is not None and total > max_bytes:
-                raise NetLoadError(f"weights of {total / 2**30:.2f} GiB exceed the {max_bytes / 2**30:.2f} GiB "
-                                   "this host can hold")
-            buf = torch.empty(max(total, 1), dtype=torch.uint8)
-            raw = buf.numpy()
-            send_frame(sock, {"type": "GET"})
-            progress = Progress(ack["total_bytes"], f"netloader {address}")
-            bad: list[str] = []
-            checks: queue.Queue = queue.Queue()
-            checker = threading.Thread(target=_verify, args=(checks, manifest, raw, offsets, bad), daemon=True)
-            checker.start()
-            try:
-                for i, e in enumerate(manifest):
-                    head = read_frame(sock, e["nbytes"])
-                    if head["type"] != "TENSOR" or head.get("index") != i or head.get("name") != e["name"] \
-                            or head.get("payload", 0) != e["nbytes"]:
-                        raise NetLoadError(f"seed {address} sent {head.get('type')} {head.get('name')!r} "
-                                           f"where tensor {i} ({e['name']}) was due")
-                    if e["nbytes"]:
-                        recv_exact(sock, e["nbytes"], memoryview(raw)[offsets[i]:offsets[i] + e["nbytes"]])
-                    if verify:
-                        checks.put(i)
-                    progress.update(e["nbytes"])
-                if read_frame(sock, 0)["type"] != "DONE":
-                    raise NetLoadError(f"seed {address} did not end with DONE")
-            finally:
-                checks.put(None)
-                checker.join()
-            seconds = progress.finish()
-        except (FrameError, ConnectionError, OSError) as exc:  # socket.timeout is an OSError
-            raise NetLoadError(f"seed {address}: {type(exc).__name__}: {exc}") from None
+            for i, e in enumerate(manifest):
+                head = read_frame(sock, e["nbytes"])
+                if head["type"] != "TENSOR" or head.get("index") != i or head.get("name") != e["name"] \
+                        or head.get("payload", 0) != e["nbytes"]:
+                    raise NetLoadError(f"seed {address} sent {head.get('type')} {head.get('name')!r} "
+                                       f"where tensor {i} ({e['name']}) was due")
+                if e["nbytes"]:
+                    recv_exact(sock, e["nbytes"], raw[offsets[i]:offsets[i] + e["nbytes"]])
+                if verify:
+                    checks.put(i)  # checked on the second thread while tensor i+1 streams
+                progress.update(e["nbytes"])
+            if read_frame(sock, 0)["type"] != "DONE":
+                raise NetLoadError(f"seed {address} did not end with DONE")
+        finally:
+            checks.put(None)
+            checker.join()  # CPU-bound over what has arrived: it ends
+        seconds = progress.finish()
+    except (FrameError, ConnectionError, OSError) as exc:  # socket.timeout is an OSError
+        raise NetLoadError(f"seed {address}: {type(exc).__name__}: {exc}") from None
     if bad:
         raise NetLoadError(f"seed {address}: checksum mismatch in {', '.join(bad[:3])}"
                            + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
     log.info("netloader: weights received", seed=address, tensors=len(manifest),
              gb=round(ack["total_bytes"] / 1e9, 3), seconds=round(seconds, 2),
              gb_per_s=round(ack["total_bytes"] / 1e9 / max(seconds, 1e-9), 2))
-    return [(e["name"], _tensor(buf, offsets[i], e, torch, np)) for i, e in enumerate(manifest)]
+    return [(e["name"], _tensor(buf, offsets[i], e, torch)) for i, e in enumerate(manifest)]
 
 
-def _verify(checks: queue.Queue, manifest: list[dict], raw, offsets: list[int], bad: list[str]) -> None:
+def receive_buffer(nbytes: int):
+    """The uint8 tensor every tensor is received into."""
+    import torch
+
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+
+
+def _verify(checks: queue.Queue, manifest: list[dict], raw: memoryview, offsets: list[int], bad: list[str]) -> None:
     while (i := checks.get()) is not None:
         e = manifest[i]
-        if zlib.crc32(memoryview(raw)[offsets[i]:offsets[i] + e["nbytes"]]) != e["crc32"]:
+        if wire.crc32c(raw[offsets[i]:offsets[i] + e["nbytes"]]) != e[wire.CHECKSUM]:
             bad.append(e["name"])
 
 
@@ -174,6 +194,6 @@ TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
                 "U64": "uint64"}
 
 
-def _tensor(buf, offset: int, e: dict, torch, np):
+def _tensor(buf, offset: int, e: dict, torch):
     dtype = getattr(torch, TORCH_DTYPES[e["dtype"]])
     return buf[offset:offset + e["nbytes"]].view(dtype).reshape(e["shape"])

@@ -2,8 +2,8 @@
 
 Conversation (ascendserve.protocol.frames, msgpack headers, raw payloads):
 
-    joiner -> JOIN {token, identity, dtype, tp_rank, tp_size, pp_rank, pp_size}
-    seed   -> JOIN_ACK {identity, manifest: [{name, dtype, shape, nbytes, crc32}], total_bytes}
+    joiner -> JOIN {version, token, identity, dtype, tp_rank, tp_size, pp_rank, pp_size}
+    seed   -> JOIN_ACK {version, identity, manifest: [{name, dtype, shape, nbytes, crc32c}], total_bytes}
             | JOIN_NACK {reason}                      (then closes)
     joiner -> GET {}
     seed   -> TENSOR {index, name} + nbytes payload, for every manifest entry, in order
@@ -11,9 +11,11 @@ Conversation (ascendserve.protocol.frames, msgpack headers, raw payloads):
 
 A connection must present the cluster token in its first frame (compared in
 constant time) within `handshake_s`; anything else is refused and closed and
-the seed keeps serving. Every socket has a deadline (`idle_s` of silence),
-and at most `max_clients` transfers run at once (JOIN_NACK "busy" beyond; past
-`max_clients + MAX_HANDSHAKES` open connections, new ones are closed at once).
+the seed keeps serving. A JOIN of another wire version (none: version 1) is
+refused with a JOIN_NACK naming the side to upgrade (wire.py), and logged.
+Every socket has a deadline (`idle_s` of silence), and at most `max_clients`
+transfers run at once (JOIN_NACK "busy" beyond; past `max_clients +
+MAX_HANDSHAKES` open connections, new ones are closed at once).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 
 import structlog
 
+from ascendserve.netloader import wire
 from ascendserve.netloader.checkpoint import CheckpointIndex, MappedSource, MemorySource
 from ascendserve.protocol.frames import FrameError, encode, read_frame, send_frame
 
@@ -65,7 +68,8 @@ class Seed:
             self._listener.close()
         except OSError:
             pass
-        self._thread.join(5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(5)
         self.source.close()
 
     def _accept(self) -> None:
@@ -99,6 +103,7 @@ class Seed:
                     send_frame(conn, {"type": "JOIN_NACK", "reason": "cluster token missing or wrong"})
                     return
                 if reason:
+                    log.warning("netloader: refused a joiner", peer=peer[0], reason=reason)
                     send_frame(conn, {"type": "JOIN_NACK", "reason": reason})
                     return
                 if not self._slots.acquire(blocking=False):
@@ -116,11 +121,11 @@ class Seed:
         if join.get("type") != "JOIN" or not isinstance(token, str) or \
                 not hmac.compare_digest(token.encode(), self.token):
             return "token"
-        return None
+        return wire.join_refusal(join)
 
     def _transfer(self, conn: socket.socket, join: dict, peer) -> None:
-        send_frame(conn, {"type": "JOIN_ACK", "identity": self.index.identity, "manifest": self.index.manifest(),
-                          "total_bytes": self.index.total_bytes})
+        send_frame(conn, {"type": "JOIN_ACK", "version": wire.WIRE_VERSION, "identity": self.index.identity,
+                          "manifest": self.index.manifest(), "total_bytes": self.index.total_bytes})
         conn.settimeout(self.idle_s)
         get = read_frame(conn, MAX_JOIN_BYTES)
         if get["type"] != "GET":

@@ -1,9 +1,11 @@
 """NetLoader's seed and fetch over loopback sockets, without an engine.
 
 Good transfers equal the checkpoint byte for byte; every failure (wrong or no
-token, garbage, another model's manifest, a flipped byte, a seed that dies
-mid-transfer or never answers) is a NetLoadError with the reason, within the
-deadline, and the seed keeps serving others.
+token, garbage, a joiner of an older wire version, another model's manifest,
+a flipped byte, a seed that dies mid-transfer or never answers) is a
+NetLoadError or a JOIN_NACK with the reason, within the deadline, and the
+seed keeps serving others. tests/unit/test_netloader_wire.py has the wire
+version and CRC32C cases over socketpairs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 from ascendserve.netloader.checkpoint import CheckpointError, CheckpointIndex, MappedSource, MemorySource, identity
 from ascendserve.netloader.client import NetLoadError, fetch
 from ascendserve.netloader.seed import Seed
-from ascendserve.protocol.frames import encode
+from ascendserve.protocol.frames import encode, read_frame, send_frame
 
 pytestmark = pytest.mark.integration
 TOKEN = "wire-token"
@@ -90,6 +92,23 @@ def test_refuses_wrong_token_no_token_and_garbage_and_keeps_serving(text_model, 
                 assert b"JOIN_ACK" not in reply and b"manifest" not in reply
         assert seed.refused >= 3
         assert len(_fetch(seed, text_model)) == len(index.entries)  # still serving
+    finally:
+        seed.stop()
+
+
+def test_an_old_joiner_is_refused_with_the_reason_and_the_seed_keeps_serving(text_model, index):
+    seed = _seed(MemorySource(index))
+    try:
+        for version in (None, 1):  # what a version-1 joiner sent (no version), and an explicit older one
+            join = {"type": "JOIN", "token": TOKEN, "identity": identity(text_model), "tp_rank": 0, "tp_size": 1}
+            with socket.create_connection(("127.0.0.1", seed.port), timeout=5) as s:
+                send_frame(s, join if version is None else {**join, "version": version})
+                reply = read_frame(s, 0)
+            assert reply["type"] == "JOIN_NACK", reply
+            assert reply["reason"].startswith("NetLoader wire version mismatch: the joiner speaks ") and \
+                reply["reason"].endswith("this seed speaks version 2 (CRC32C checksums): upgrade ascendserve on "
+                                         "the joiner"), reply
+        assert len(_fetch(seed, text_model)) == len(index.entries) and seed.served == 1  # still serving
     finally:
         seed.stop()
 

@@ -1,0 +1,90 @@
+"""What a NetLoader seed and joiner must agree on: the wire version and the checksum.
+
+Version 2 (this release): JOIN and JOIN_ACK carry `"version": 2`, and every
+manifest entry carries `"crc32c"`, the CRC32C (Castagnoli) of its bytes, from
+the `crc32c` package (SSE 4.2 / ARMv8 CRC instructions, several GB/s; it
+releases the GIL, so the joiner checks tensor i while tensor i+1 streams).
+Version 1 (earlier releases): no version field, and `"crc32"` (zlib's
+CRC-32, under 1 GB/s) in the manifest.
+
+Both sides refuse the other version rather than misread it: a seed answers
+a JOIN without a version, or with another one, with a JOIN_NACK naming the
+side to upgrade (an old joiner logs that reason and loads from disk); a
+joiner refuses a JOIN_ACK without its version (an old seed) the same way,
+a NetLoadError, so it tries the next seed and then the disk.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+try:
+    import crc32c as _crc32c
+except ImportError:  # a broken install: said clearly where a checksum is needed, never a slow stand-in
+    _crc32c = None
+
+log = structlog.get_logger("ascendserve.netloader")
+WIRE_VERSION = 2
+CHECKSUM = "crc32c"  # the manifest's checksum field since version 2
+MISSING = ("the 'crc32c' package is not installed: NetLoader checksums every tensor with CRC32C "
+           "(pip install 'crc32c>=2.7'; ascendserve depends on it, so reinstalling ascendserve brings it)")
+_warned = False
+
+
+class ChecksumUnavailable(RuntimeError):
+    """The crc32c package is missing."""
+
+
+def require_checksum() -> None:
+    """Raise ChecksumUnavailable without the package; warn once where it has no hardware support."""
+    global _warned
+    if _crc32c is None:
+        raise ChecksumUnavailable(MISSING)
+    if not _crc32c.hardware_based and not _warned:
+        _warned = True
+        log.warning("netloader: this CPU has no CRC32C instructions (SSE 4.2 / ARMv8 CRC); checksums run "
+                    "in software and may slow transfers")
+
+
+def crc32c(data) -> int:
+    """CRC32C of any buffer (bytes, memoryview, numpy array); the GIL is released from 32 KiB on."""
+    if _crc32c is None:
+        raise ChecksumUnavailable(MISSING)
+    return _crc32c.crc32c(data)
+
+
+def _spoken(version) -> str:
+    return "no version (version 1, CRC-32 checksums)" if version is None else f"version {version}"
+
+
+def join_refusal(join: dict) -> str | None:
+    """The JOIN_NACK reason for a joiner of another wire version (None: it speaks ours)."""
+    version = join.get("version")
+    if type(version) is int and version == WIRE_VERSION:
+        return None
+    if type(version) is not int and version is not None:
+        return f"JOIN's version must be an integer, got {str(version)[:40]!r}"
+    upgrade = "upgrade ascendserve on the joiner" if version is None or version < WIRE_VERSION \
+        else "upgrade ascendserve on this seed"
+    return (f"NetLoader wire version mismatch: the joiner speaks {_spoken(version)}, this seed speaks "
+            f"version {WIRE_VERSION} (CRC32C checksums): {upgrade}")
+
+
+def ack_refusal(ack: dict) -> str | None:
+    """Why a joiner refuses this seed's JOIN_ACK as another wire version (None: it speaks ours)."""
+    version = ack.get("version")
+    if type(version) is int and version == WIRE_VERSION:
+        return None
+    if type(version) is not int and version is not None:
+        return f"JOIN_ACK's version must be an integer, got {str(version)[:40]!r}"
+    if version is None:
+        manifest = ack.get("manifest")
+        old = isinstance(manifest, list) and bool(manifest) and isinstance(manifest[0], dict) \
+            and "crc32" in manifest[0]
+        spoken = "version 1 (no version field" + (", a CRC-32 manifest)" if old else ")")
+    else:
+        spoken = f"version {version}"
+    upgrade = "upgrade ascendserve on the seed" if version is None or version < WIRE_VERSION \
+        else "upgrade ascendserve on this joiner"
+    return (f"NetLoader wire version mismatch: the seed speaks {spoken}, this joiner needs version "
+            f"{WIRE_VERSION} (CRC32C checksums): {upgrade}")

@@ -1,0 +1,271 @@
+"""NetLoader's wire version and CRC32C checksums: a real seed and a real joiner over a socketpair.
+
+No network: the seed's own connection handler (`Seed._serve`) and the joiner's
+(`client.receive`) talk over `socket.socketpair()`; a version-1 peer is played
+by the frames that release sent. tests/integration/test_netloader_wire.py does
+the same over TCP, and the engines' own joins are in test_netloader.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import zlib
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ascendserve.netloader import wire
+from ascendserve.netloader.checkpoint import CheckpointError, CheckpointIndex, MappedSource, MemorySource, identity
+from ascendserve.netloader.client import NetLoadError, fetch, receive
+from ascendserve.netloader.seed import Seed
+from ascendserve.protocol.frames import encode, read_frame, recv_exact, send_frame
+
+TOKEN = "unit-wire-token"
+JOIN_INFO = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+
+
+@pytest.fixture
+def model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Wire"], "model_type": "wire"}))
+    gen = torch.Generator().manual_seed(5)
+    save_file({"embed.weight": torch.randn(64, 32, generator=gen), "norm.weight": torch.randn(32, generator=gen),
+               "head.bias": torch.arange(7, dtype=torch.int64), "empty": torch.zeros(0, 3)},
+              str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def _serve(seed: Seed) -> tuple[socket.socket, threading.Thread]:
+    """Our end of a socketpair whose other end the seed's connection handler serves on a thread."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10)
+    worker = threading.Thread(target=seed._serve, args=(theirs, ("unit", 0)), daemon=True)
+    worker.start()
+    return ours, worker
+
+
+def _seed(source) -> Seed:
+    return Seed(source, TOKEN, "127.0.0.1", 0, handshake_s=5.0, idle_s=5.0)  # never started: no accept loop
+
+
+def _join(model, **fields) -> dict:
+    join = {"type": "JOIN", "token": TOKEN, "identity": identity(model), **JOIN_INFO, "version": wire.WIRE_VERSION}
+    join.update(fields)
+    return {k: v for k, v in join.items() if v is not None}
+
+
+def test_the_checksum_is_crc32c_not_zlibs_crc32():
+    assert wire.crc32c(b"123456789") == 0xE3069283  # the CRC32C check value (RFC 3720)
+    assert zlib.crc32(b"123456789") == 0xCBF43926 != wire.crc32c(b"123456789")
+    data = bytearray(range(256)) * 300
+    assert wire.crc32c(memoryview(data)[100:70000]) == wire.crc32c(bytes(data[100:70000]))  # any buffer
+
+
+@pytest.mark.parametrize("version, upgrade", [(None, "upgrade ascendserve on the joiner"),
+                                              (1, "upgrade ascendserve on the joiner"),
+                                              (wire.WIRE_VERSION + 1, "upgrade ascendserve on this seed")])
+def test_a_join_of_another_version_gets_a_join_nack_saying_what_to_upgrade(model, version, upgrade):
+    seed = _seed(MemorySource(CheckpointIndex.scan(model)))
+    try:
+        ours, worker = _serve(seed)
+        with ours:
+            send_frame(ours, _join(model, version=version))
+            reply = read_frame(ours, 0)
+            assert ours.recv(1) == b""  # and closed
+        worker.join(10)
+    finally:
+        seed.stop()
+    assert reply["type"] == "JOIN_NACK", reply
+    spoken = "no version" if version is None else f"version {version}"
+    assert reply["reason"] == (f"NetLoader wire version mismatch: the joiner speaks {spoken}"
+                               + (" (version 1, CRC-32 checksums)" if version is None else "")
+                               + f", this seed speaks version {wire.WIRE_VERSION} (CRC32C checksums): {upgrade}")
+    assert seed.served == 0
+
+
+def test_a_join_whose_version_is_not_an_integer_is_refused(model):
+    seed = _seed(MemorySource(CheckpointIndex.scan(model)))
+    try:
+        for version in ("2", True, 2.0):
+            ours, worker = _serve(seed)
+            with ours:
+                send_frame(ours, _join(model, version=version))
+                reply = read_frame(ours, 0)
+            worker.join(10)
+            assert reply["type"] == "JOIN_NACK" and "version must be an integer" in reply["reason"], (version, reply)
+    finally:
+        seed.stop()
+
+
+def test_a_current_join_gets_a_versioned_crc32c_manifest(model):
+    index = CheckpointIndex.scan(model)
+    seed = _seed(MemorySource(index))
+    try:
+        ours, worker = _serve(seed)
+        with ours:
+            send_frame(ours, _join(model))
+            ack = read_frame(ours, 0)
+        worker.join(10)
+    finally:
+        seed.stop()
+    assert ack["type"] == "JOIN_ACK" and ack["version"] == wire.WIRE_VERSION
+    raw = (model / "model.safetensors").read_bytes()
+    for e, entry in zip(ack["manifest"], index.entries):
+        assert set(e) == {"name", "dtype", "shape", "nbytes", "crc32c"}
+        assert e["crc32c"] == wire.crc32c(raw[entry.offset:entry.offset + entry.nbytes])
+
+
+@pytest.mark.parametrize("kind", [MemorySource, MappedSource])
+def test_received_tensors_equal_the_checkpoint(model, kind):
+    seed = _seed(kind(CheckpointIndex.scan(model)))
+    try:
+        ours, worker = _serve(seed)
+        with ours:
+            got = dict(receive(ours, "unit", TOKEN, identity(model), JOIN_INFO, 10.0))
+        worker.join(10)
+    finally:
+        seed.stop()
+    want = load_file(str(model / "model.safetensors"))
+    assert set(got) == set(want) and seed.served == 1
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape and got[name].equal(tensor), name
+
+
+def _crc32_preserving_change(data: bytes, at: int) -> bytes:
+    """`data` with bits of data[at:at+8] flipped so that zlib's CRC-32 stays the same.
+
+    CRC-32 is affine over GF(2): crc(x ^ d) = crc(x) ^ crc(d) ^ crc(0). 64 bit flips span
+    at most 32 dimensions, so some non-empty set of them leaves the CRC-32 unchanged."""
+    zero = zlib.crc32(bytes(len(data)))
+    basis: dict[int, tuple[int, int]] = {}  # leading bit -> (crc difference, which flips make it)
+    for j in range(64):
+        flip = bytearray(len(data))
+        flip[at + j // 8] = 1 << (j % 8)
+        diff, combo = zlib.crc32(flip) ^ zero, 1 << j
+        while diff and (diff.bit_length() - 1) in basis:
+            other, others = basis[diff.bit_length() - 1]
+            diff, combo = diff ^ other, combo ^ others
+        if diff:
+            basis[diff.bit_length() - 1] = (diff, combo)
+            continue
+        out = bytearray(data)
+        for k, b in enumerate(combo.to_bytes(8, "little")):
+            out[at + k] ^= b
+        return bytes(out)
+    raise AssertionError("unreachable: 64 vectors in a 32-dimensional space")
+
+
+def test_a_corruption_crc32_cannot_see_is_caught_by_crc32c(model):
+    index = CheckpointIndex.scan(model)
+    source = MemorySource(index)
+    entry = next(e for e in index.entries if e.name == "embed.weight")
+    view = source.view(entry)
+    original = bytes(view)
+    corrupted = _crc32_preserving_change(original, 1000)
+    assert corrupted != original and zlib.crc32(corrupted) == zlib.crc32(original)  # invisible to version 1
+    view[:] = corrupted
+    seed = _seed(source)
+    try:
+        ours, worker = _serve(seed)
+        with ours, pytest.raises(NetLoadError, match="checksum mismatch in embed.weight$"):
+            receive(ours, "unit", TOKEN, identity(model), JOIN_INFO, 10.0)
+        worker.join(10)
+    finally:
+        seed.stop()
+
+
+def _old_seed(model, ack: dict) -> tuple[socket.socket, threading.Thread, dict]:
+    """A seed of another release: answers JOIN with `ack`, then records whether a GET came."""
+    ours, theirs = socket.socketpair()
+    seen: dict = {}
+
+    def run():
+        with theirs:
+            theirs.settimeout(10)
+            seen["join"] = read_frame(theirs, 0)
+            send_frame(theirs, ack)
+            try:
+                seen["next"] = read_frame(theirs, 0)["type"]
+            except ConnectionError:
+                seen["next"] = "EOF"
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    return ours, worker, seen
+
+
+def _version1_ack(model) -> dict:
+    """What a version-1 seed answered: no version, zlib's CRC-32 under "crc32"."""
+    index = CheckpointIndex.scan(model)
+    raw = (model / "model.safetensors").read_bytes()
+    manifest = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes,
+                 "crc32": zlib.crc32(raw[e.offset:e.offset + e.nbytes])} for e in index.entries]
+    return {"type": "JOIN_ACK", "identity": index.identity, "manifest": manifest, "total_bytes": index.total_bytes}
+
+
+def test_the_joiner_refuses_a_version_1_seed_clearly_before_any_data(model):
+    ours, worker, seen = _old_seed(model, _version1_ack(model))
+    with ours, pytest.raises(NetLoadError) as err:
+        receive(ours, "10.0.0.9:11000", TOKEN, identity(model), JOIN_INFO, 10.0)
+    worker.join(10)
+    assert str(err.value) == ("seed 10.0.0.9:11000: NetLoader wire version mismatch: the seed speaks version 1 "
+                              "(no version field, a CRC-32 manifest), this joiner needs version "
+                              f"{wire.WIRE_VERSION} (CRC32C checksums): upgrade ascendserve on the seed")
+    assert seen == {"join": {**_join(model), "type": "JOIN"}, "next": "EOF"}  # it sent its version, never GET
+
+
+def test_the_joiner_refuses_a_newer_seed(model):
+    ack = {**_version1_ack(model), "version": wire.WIRE_VERSION + 1}
+    ours, worker, seen = _old_seed(model, ack)
+    with ours, pytest.raises(NetLoadError, match=f"the seed speaks version {wire.WIRE_VERSION + 1}, .*"
+                                                 "upgrade ascendserve on this joiner"):
+        receive(ours, "unit", TOKEN, identity(model), JOIN_INFO, 10.0)
+    worker.join(10)
+    assert seen["next"] == "EOF"
+
+
+def test_a_dead_seed_mid_tensor_is_an_error_within_the_deadline(model):
+    """The seed sends the JOIN_ACK and half a tensor, then goes silent (not closed): timeout_s bounds it."""
+    index = CheckpointIndex.scan(model)
+    source = MemorySource(index)
+    ack = {"type": "JOIN_ACK", "version": wire.WIRE_VERSION, "identity": index.identity,
+           "manifest": index.manifest(), "total_bytes": index.total_bytes}
+    ours, theirs = socket.socketpair()
+    stop = threading.Event()
+
+    def run():
+        with theirs:
+            read_frame(theirs, 0)
+            send_frame(theirs, ack)
+            read_frame(theirs, 0)
+            entry = index.entries[0]
+            theirs.sendall(encode({"type": "TENSOR", "index": 0, "name": entry.name}, entry.nbytes))
+            theirs.sendall(source.view(entry)[:100])
+            stop.wait(30)
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    start = time.monotonic()
+    with ours, pytest.raises(NetLoadError, match="timed out"):
+        receive(ours, "unit", TOKEN, identity(model), JOIN_INFO, 1.0)
+    assert time.monotonic() - start < 5
+    stop.set()
+    worker.join(10)
+
+
+def test_without_the_crc32c_package_both_sides_say_so(model, monkeypatch):
+    monkeypatch.setattr(wire, "_crc32c", None)
+    with pytest.raises(CheckpointError, match="'crc32c' package is not installed"):
+        CheckpointIndex.scan(model)
+    with pytest.raises(NetLoadError, match=r"pip install 'crc32c>=2\.7'"):
+        fetch("127.0.0.1:9", TOKEN, identity(model), JOIN_INFO, 1.0)  # before any connection
+
+
+def test_recv_exact_reads_into_the_view_it_is_given():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"abcdefgh")
+        buf = bytearray(10)
+        recv_exact(b, 8, memoryview(buf)[1:9])
+        assert bytes(buf) == b"\0abcdefgh\0"
