@@ -124,16 +124,19 @@ class MappedSource:
         self.index = index
         self._files = {path: open(path, "rb") for path in {e.file for e in index.entries}}
 
-    def send(self, sock, entry: TensorEntry) -> None:
+    def send(self, sock, entry: TensorEntry, offset: int = 0, count: int | None = None) -> None:
+        """`count` bytes of the tensor from `offset` (all of it by default), as do MemorySource's."""
+        count = entry.nbytes - offset if count is None else count
         # socket.sendfile: the kernel copies from the page cache, and it honours the socket's
         # timeout (a bare os.sendfile on a socket with a timeout fails with EAGAIN once the
-        # send buffer is full). An empty tensor sends nothing (sendfile refuses count=0 with a
-        # ValueError, which ended the connection's thread)
-        if not entry.nbytes:
+        # send buffer is full). It reads at an explicit offset, so streams may share the file.
+        # Nothing to send sends nothing (sendfile refuses count=0 with a ValueError, which
+        # ended the connection's thread)
+        if not count:
             return
-        sent = sock.sendfile(self._files[entry.file], offset=entry.offset, count=entry.nbytes)
-        if sent != entry.nbytes:
-            raise ConnectionError(f"sent {sent} of {entry.nbytes} bytes of {entry.name} (file truncated?)")
+        sent = sock.sendfile(self._files[entry.file], offset=entry.offset + offset, count=count)
+        if sent != count:
+            raise ConnectionError(f"sent {sent} of {count} bytes of {entry.name} (file truncated?)")
 
     def close(self) -> None:
         for f in self._files.values():
@@ -155,8 +158,9 @@ class MemorySource:
     def view(self, entry: TensorEntry) -> memoryview:
         return self._bytes[entry.file][entry.offset:entry.offset + entry.nbytes]
 
-    def send(self, sock, entry: TensorEntry) -> None:
-        sock.sendall(self.view(entry))
+    def send(self, sock, entry: TensorEntry, offset: int = 0, count: int | None = None) -> None:
+        view = self.view(entry)
+        sock.sendall(view[offset:] if count is None else view[offset:offset + count])
 
     def close(self) -> None:
         self._bytes.clear()

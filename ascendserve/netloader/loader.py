@@ -7,13 +7,15 @@ vLLM's config log does not show it. Runs in every vLLM worker (each TP/PP
 rank fetches on its own; rank r tries source r mod n first, so ranks spread
 over seeds).
 
-It is vLLM's own DefaultModelLoader with another weight iterator: the
-fetched, verified tensors go through the model's `load_weights` (its
-sharding and fusing for this rank) and vLLM's check that every parameter
-was loaded. The transfer completes and verifies before any parameter is
-written; if it fails, or the model rejects what arrived, the weights are
-loaded from disk as usual (fallback = "disk", logged with the reason) or
-start-up stops with the reason (fallback = "fail"). Never half a model.
+It is vLLM's own DefaultModelLoader with another weight iterator: each
+tensor, once received and its CRC32C verified, goes through the model's
+`load_weights` (its sharding and fusing for this rank) while the next ones
+stream, then vLLM's check that every parameter was loaded. If a seed fails
+before any data, the next seed is tried; if it fails mid-transfer, the next
+seed or the disk loads every parameter again; if the model rejects what
+arrived, the weights are loaded from disk as usual (fallback = "disk",
+logged with the reason) or start-up stops with the reason (fallback =
+"fail"). Never half a model.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from ascendserve.netloader.base import WeightTransport
 from ascendserve.tls import client_context
 from ascendserve.netloader.checkpoint import identity
-from ascendserve.netloader.client import NetLoadError, fetch
+from ascendserve.netloader.client import STREAMS, NetLoadError, open_transfer
 
 log = structlog.get_logger("ascendserve.netloader")
 LOAD_FORMAT = "netloader"
 TOKEN_ENV = "ASCENDSERVE_CLUSTER_TOKEN"  # vllm_server exports it; argv would show it
 EXTRA_KEY = "netloader"
-TRANSPORTS: dict[str, WeightTransport] = {"tcp": fetch}  # base.py: where HCCL / Mooncake ones would go
+TRANSPORTS: dict[str, WeightTransport] = {"tcp": open_transfer}  # base.py: where HCCL / Mooncake ones would go
 
 
 def _rank_info() -> dict:
@@ -97,24 +99,71 @@ class NetLoader(DefaultModelLoader):
 
     def load_weights(self, model, model_config) -> None:
         fallback = self.settings.get("fallback", "disk")
-        why = ""
-        try:
-            self._received = self._fetch(model_config.model)
-        except NetLoadError as exc:
-            why = str(exc)
-        if self._received is not None:
-            try:
-                super().load_weights(model, model_config)
-                return
-            except Exception as exc:  # what arrived does not fit this model: load it all again from disk
-                why = f"the model rejected the received weights: {type(exc).__name__}: {exc}"
-            finally:
-                self._received = None
+        why = self._load_from_seeds(model, model_config)
+        if why is None:
+            return
         if fallback != "disk":
             raise RuntimeError(f"netloader: no seed could provide the weights ({why}); "
                                "the disk fallback is off (netloader.fallback = 'fail')")
         log.warning("netloader: loading the weights from disk instead", reason=why)
         super().load_weights(model, model_config)
+
+    def _load_from_seeds(self, model, model_config) -> str | None:
+        """None once one seed's weights are loaded, else why none were.
+
+        A seed is used only once its handshake passed (right model, version, token, room); its
+        verified tensors go into the model's `load_weights` while the rest stream. A seed failing
+        mid-transfer leaves some parameters with its bytes: the next seed, or the disk, loads
+        every parameter again (vLLM's load_weights writes them all), so no half model serves."""
+        try:
+            ordered, open_transfer = self._seeds(model_config.model)
+        except NetLoadError as exc:
+            return str(exc)
+        errors = []
+        for address in ordered:
+            try:
+                transfer = open_transfer(address)
+            except NetLoadError as exc:
+                log.warning("netloader: seed failed", seed=address, error=str(exc))
+                errors.append(str(exc))
+                continue
+            self._received = transfer
+            try:
+                super().load_weights(model, model_config)
+                return None
+            except Exception as exc:
+                if transfer.error is None and not isinstance(exc, NetLoadError):
+                    # what arrived does not fit this model: load it all again from disk
+                    return f"the model rejected the received weights: {type(exc).__name__}: {exc}"
+                why = transfer.error or str(exc)
+                log.warning("netloader: seed failed mid-transfer; the next source loads every weight again",
+                            seed=address, error=why)
+                errors.append(why)
+            finally:
+                self._received = None
+                transfer.close()
+        return "; ".join(errors) or "no sources"
+
+    def _seeds(self, model_dir: str):
+        """(seed addresses in this rank's order, address -> a joined transfer or NetLoadError)."""
+        from ascendserve.config import environ
+
+        token = environ().get(TOKEN_ENV, "")
+        own = identity(model_dir)
+        sources = self._sources(own["config_sha256"], token)
+        rank = _rank_info()
+        start = rank["tp_rank"] + rank["pp_rank"] * rank["tp_size"]
+        ordered = sources[start % len(sources):] + sources[:start % len(sources)]
+        # the whole checkpoint is held in host memory while it loads: keep headroom for the rest
+        max_bytes = int(psutil.virtual_memory().available * 0.8)
+        transport = TRANSPORTS.get(self.settings.get("transport", "tcp"))
+        if transport is None:
+            raise NetLoadError(f"unknown netloader transport {self.settings.get('transport')!r}; have "
+                               f"{', '.join(TRANSPORTS)}")
+        # the ranks of one instance share its host's link: its streams are split between them
+        streams = max(1, int(self.settings.get("streams", STREAMS)) // (rank["tp_size"] * rank["pp_size"]))
+        timeout_s = float(self.settings.get("timeout_s", 30.0))
+        return ordered, lambda address: transport(address, token, own, rank, timeout_s, max_bytes, streams=streams)
 
     def _sources(self, config_sha256: str, token: str) -> list[str]:
         sources = list(self.settings.get("sources") or [])
@@ -141,31 +190,6 @@ class NetLoader(DefaultModelLoader):
             if not sources:
                 raise NetLoadError(f"the metaserver knows no seed of this model (config {config_sha256[:12]})")
         return sources
-
-    def _fetch(self, model_dir: str):
-        from ascendserve.config import environ
-
-        token = environ().get(TOKEN_ENV, "")
-        own = identity(model_dir)
-        sources = self._sources(own["config_sha256"], token)
-        rank = _rank_info()
-        start = rank["tp_rank"] + rank["pp_rank"] * rank["tp_size"]
-        ordered = sources[start % len(sources):] + sources[:start % len(sources)]
-        # the whole checkpoint is held in host memory while it loads: keep headroom for the rest
-        max_bytes = int(psutil.virtual_memory().available * 0.8)
-        transport = TRANSPORTS.get(self.settings.get("transport", "tcp"))
-        if transport is None:
-            raise NetLoadError(f"unknown netloader transport {self.settings.get('transport')!r}; have "
-                               f"{', '.join(TRANSPORTS)}")
-        errors = []
-        for address in ordered:
-            try:
-                return transport(address, token, own, rank, float(self.settings.get("timeout_s", 30.0)), max_bytes)
-            except NetLoadError as exc:
-                log.warning("netloader: seed failed", seed=address, error=str(exc))
-                errors.append(str(exc))
-        raise NetLoadError("; ".join(errors) or "no sources")
-
 
 def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader

@@ -2,12 +2,18 @@
 
 Conversation (ascendserve.protocol.frames, msgpack headers, raw payloads):
 
-    joiner -> JOIN {version, token, identity, dtype, tp_rank, tp_size, pp_rank, pp_size}
+    joiner -> JOIN {version, token, identity, stream, tp_rank, tp_size, pp_rank, pp_size}
     seed   -> JOIN_ACK {version, identity, manifest: [{name, dtype, shape, nbytes, crc32c}], total_bytes}
             | JOIN_NACK {reason}                      (then closes)
-    joiner -> GET {}
-    seed   -> TENSOR {index, name} + nbytes payload, for every manifest entry, in order
+    joiner -> GET {part, parts}
+    seed   -> TENSOR {index, name, offset} + payload, for every chunk of part `part` (wire.plan), in order
     seed   -> DONE {}
+
+A joiner may open up to wire.MAX_STREAMS connections for one transfer, each a
+JOIN of its own (`stream`: 0, 1, ...) taking a transfer slot (further streams
+only while a quarter of the slots stay free): connection j asks for part j
+of `parts`, a contiguous byte range of the tensors laid end to end (a tensor
+may be split between two parts; `offset` is where the chunk starts in it).
 
 A connection must present the cluster token in its first frame (compared in
 constant time) within `handshake_s`; anything else is refused and closed and
@@ -45,7 +51,8 @@ class Seed:
         self.handshake_s, self.idle_s = handshake_s, idle_s
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._listener.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(max_clients)
+        self._running = 0  # connections transferring (a joiner's further streams each count)
+        self._running_lock = threading.Lock()
         self._connections = threading.BoundedSemaphore(max_clients + MAX_HANDSHAKES)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="netloader-seed", daemon=True)
@@ -106,21 +113,37 @@ class Seed:
                     log.warning("netloader: refused a joiner", peer=peer[0], reason=reason)
                     send_frame(conn, {"type": "JOIN_NACK", "reason": reason})
                     return
-                if not self._slots.acquire(blocking=False):
+                if not self._take_slot(join.get("stream", 0)):
                     send_frame(conn, {"type": "JOIN_NACK", "reason": f"busy: {self.max_clients} transfers running"})
                     return
                 try:
                     self._transfer(conn, join, peer)
                 finally:
-                    self._slots.release()
+                    with self._running_lock:
+                        self._running -= 1
             except (FrameError, ConnectionError, TimeoutError, OSError) as exc:
                 log.warning("netloader: connection dropped", peer=peer[0], error=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # e.g. stop() closed the source under a running transfer: this connection only
+                log.warning("netloader: transfer failed", peer=peer[0], error=f"{type(exc).__name__}: {exc}")
+
+    def _take_slot(self, stream) -> bool:
+        """A joiner's first stream may take any free slot; its further streams (`stream` > 0) leave a
+        quarter of them free, so that other joiners' first streams still find one."""
+        limit = self.max_clients if stream == 0 else self.max_clients - self.max_clients // 4
+        with self._running_lock:
+            if self._running >= limit:
+                return False
+            self._running += 1
+            return True
 
     def _check_join(self, join: dict) -> str | None:
         token = join.get("token")
         if join.get("type") != "JOIN" or not isinstance(token, str) or \
                 not hmac.compare_digest(token.encode(), self.token):
             return "token"
+        stream = join.get("stream", 0)
+        if type(stream) is not int or not 0 <= stream < wire.MAX_STREAMS:
+            return f"JOIN's stream must be an integer in [0, {wire.MAX_STREAMS}), got {str(stream)[:40]!r}"
         return wire.join_refusal(join)
 
     def _transfer(self, conn: socket.socket, join: dict, peer) -> None:
@@ -130,10 +153,21 @@ class Seed:
         get = read_frame(conn, MAX_JOIN_BYTES)
         if get["type"] != "GET":
             raise FrameError(f"expected GET, got {get['type']}")
-        log.info("netloader: sending weights", peer=peer[0], tp_rank=join.get("tp_rank"),
-                 gib=round(self.index.total_bytes / 2**30, 3))
-        for i, entry in enumerate(self.index.entries):
-            conn.sendall(encode({"type": "TENSOR", "index": i, "name": entry.name}, entry.nbytes))
-            self.source.send(conn, entry)
+        part, parts = get.get("part", 0), get.get("parts", 1)
+        if type(parts) is not int or not 1 <= parts <= wire.MAX_STREAMS or type(part) is not int \
+                or not 0 <= part < parts:
+            raise FrameError(f"GET of part {str(part)[:20]} of {str(parts)[:20]}")
+        if part == 0:  # one per joiner's transfer
+            log.info("netloader: sending weights", peer=peer[0], tp_rank=join.get("tp_rank"), streams=parts,
+                     gib=round(self.index.total_bytes / 2**30, 3))
+        entries = self.index.entries
+        for i, offset, count in wire.plan([e.nbytes for e in entries], parts)[part]:
+            entry = entries[i]
+            conn.sendall(encode({"type": "TENSOR", "index": i, "name": entry.name, "offset": offset}, count))
+            if offset == 0 and count == entry.nbytes:
+                self.source.send(conn, entry)
+            else:
+                self.source.send(conn, entry, offset, count)
         send_frame(conn, {"type": "DONE"})
-        self.served += 1
+        if part == 0:
+            self.served += 1

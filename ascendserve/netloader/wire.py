@@ -88,3 +88,33 @@ def ack_refusal(ack: dict) -> str | None:
         else "upgrade ascendserve on this joiner"
     return (f"NetLoader wire version mismatch: the seed speaks {spoken}, this joiner needs version "
             f"{WIRE_VERSION} (CRC32C checksums): {upgrade}")
+
+
+MAX_STREAMS = 16  # connections one joiner may split a transfer over
+
+
+def plan(sizes: list[int], parts: int) -> list[list[tuple[int, int, int]]]:
+    """The checkpoint split over `parts` streams: for each, its chunks (tensor index, offset, length) in order.
+
+    Stream j carries bytes [total*j/parts, total*(j+1)/parts) of the tensors laid end to end, so a
+    tensor may start on one stream and end on the next; an empty tensor rides on the stream where
+    its position falls. Seed and joiner compute it alike from the manifest and GET's `parts`."""
+    total = sum(sizes)
+    bounds = [total * j // parts for j in range(parts + 1)]
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    pos, j = 0, 0
+    for i, n in enumerate(sizes):
+        if n == 0:
+            while j < parts - 1 and pos >= bounds[j + 1]:
+                j += 1
+            out[j].append((i, 0, 0))
+            continue
+        done = 0
+        while done < n:
+            while pos + done >= bounds[j + 1]:
+                j += 1
+            take = min(n - done, bounds[j + 1] - (pos + done))
+            out[j].append((i, done, take))
+            done += take
+        pos += n
+    return out

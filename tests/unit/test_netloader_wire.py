@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ascendserve.netloader import wire
+from ascendserve.netloader import client, wire
 from ascendserve.netloader.checkpoint import CheckpointError, CheckpointIndex, MappedSource, MemorySource, identity
-from ascendserve.netloader.client import NetLoadError, fetch, receive
+from ascendserve.netloader.client import NetLoadError, fetch, open_transfer, receive
 from ascendserve.netloader.seed import Seed
 from ascendserve.protocol.frames import encode, read_frame, recv_exact, send_frame
 
@@ -52,7 +52,8 @@ def _seed(source) -> Seed:
 
 
 def _join(model, **fields) -> dict:
-    join = {"type": "JOIN", "token": TOKEN, "identity": identity(model), **JOIN_INFO, "version": wire.WIRE_VERSION}
+    join = {"type": "JOIN", "token": TOKEN, "identity": identity(model), **JOIN_INFO, "stream": 0,
+            "version": wire.WIRE_VERSION}
     join.update(fields)
     return {k: v for k, v in join.items() if v is not None}
 
@@ -269,3 +270,166 @@ def test_recv_exact_reads_into_the_view_it_is_given():
         buf = bytearray(10)
         recv_exact(b, 8, memoryview(buf)[1:9])
         assert bytes(buf) == b"\0abcdefgh\0"
+
+
+# ---- several streams ---------------------------------------------------------------------------------
+def _connector(seed: Seed):
+    """open_transfer's `connect`: each call a socketpair whose far end the seed's handler serves."""
+    def connect():
+        ours, theirs = socket.socketpair()
+        threading.Thread(target=seed._serve, args=(theirs, ("unit", 0)), daemon=True).start()
+        return ours
+    return connect
+
+
+def _open(seed: Seed, model, streams: int, **kw):
+    return open_transfer("unit", TOKEN, identity(model), JOIN_INFO, 5.0, streams=streams, connect=_connector(seed),
+                         **kw)
+
+
+@pytest.fixture
+def small_streams(monkeypatch):
+    monkeypatch.setattr(client, "STREAM_MIN_BYTES", 1)  # streams for a checkpoint of a few KB
+
+
+def test_the_plan_covers_every_byte_once_in_balanced_contiguous_parts():
+    import random
+
+    rng = random.Random(3)
+    for parts in (1, 2, 3, 4, 7):
+        for _ in range(200):
+            sizes = [rng.choice([0, 0, 1, 5, 100, 4096]) for _ in range(rng.randint(0, 20))]
+            plan = wire.plan(sizes, parts)
+            assert len(plan) == parts
+            pieces: dict[int, list] = {}
+            for chunks in plan:
+                for i, offset, n in chunks:
+                    pieces.setdefault(i, []).append((offset, n))
+            for i, n in enumerate(sizes):
+                at = 0
+                for offset, k in sorted(pieces[i]):
+                    assert offset == at and (k > 0 or n == 0)
+                    at += k
+                assert at == n and (n or pieces[i] == [(0, 0)])
+            lengths = [sum(n for _, _, n in chunks) for chunks in plan]
+            assert max(lengths) - min(lengths) <= 1
+            assert [i for chunks in plan for i, _, _ in chunks] == sorted(i for chunks in plan for i, _, _ in chunks)
+
+
+@pytest.mark.parametrize("kind", [MemorySource, MappedSource])
+def test_three_streams_split_tensors_and_equal_the_checkpoint(model, kind, small_streams):
+    index = CheckpointIndex.scan(model)
+    plan = wire.plan([e.nbytes for e in index.entries], 3)
+    assert any(len({p for p, chunks in enumerate(plan) for i, _, _ in chunks if i == t}) > 1
+               for t in range(len(index.entries)))  # a tensor spans two streams
+    seed = _seed(kind(index))
+    try:
+        transfer = _open(seed, model, 3)
+        assert transfer.streams == 3
+        got = dict(transfer)
+    finally:
+        seed.stop()
+    want = load_file(str(model / "model.safetensors"))
+    assert set(got) == set(want) and all(got[k].equal(want[k]) for k in want)
+    assert seed.served == 1  # one transfer, however many streams
+
+
+@pytest.mark.parametrize("max_clients, streams", [(2, 2), (4, 3), (8, 4)])
+def test_further_streams_leave_a_quarter_of_the_seeds_slots_free(model, small_streams, max_clients, streams):
+    seed = Seed(MemorySource(CheckpointIndex.scan(model)), TOKEN, "127.0.0.1", 0, max_clients=max_clients,
+                handshake_s=5.0, idle_s=5.0)
+    try:
+        transfer = _open(seed, model, 4)
+        assert transfer.streams == min(4, max(1, max_clients - max_clients // 4)) == streams
+        assert len(dict(transfer)) == 4
+    finally:
+        seed.stop()
+
+
+class _StallsBefore(MemorySource):
+    """Holds back the chunks of one tensor until released: the joiner shows what it yields meanwhile."""
+
+    def __init__(self, index, name):
+        super().__init__(index)
+        self.name, self.release = name, threading.Event()
+
+    def send(self, sock, entry, offset=0, count=None):
+        if entry.name == self.name:
+            self.release.wait(10)
+        super().send(sock, entry, offset, count)
+
+
+def test_verified_tensors_are_yielded_while_the_rest_still_streams(model):
+    index = CheckpointIndex.scan(model)
+    last = index.entries[-1].name
+    source = _StallsBefore(index, last)
+    seed = _seed(source)
+    try:
+        transfer = _open(seed, model, 1)
+        it = iter(transfer)
+        early = [next(it)[0] for _ in range(len(index.entries) - 1)]  # all but the held-back one
+        assert last not in early and not source.release.is_set()
+        source.release.set()
+        assert [name for name, _ in it] == [last]
+    finally:
+        source.release.set()
+        seed.stop()
+
+
+class _DiesOnStream(MemorySource):
+    """Sends half of one tensor's chunk, then drops that connection (the seed process 'died')."""
+
+    def __init__(self, index, name):
+        super().__init__(index)
+        self.name = name
+
+    def send(self, sock, entry, offset=0, count=None):
+        if entry.name == self.name:
+            sock.sendall(self.view(entry)[offset:offset + 8])
+            sock.shutdown(socket.SHUT_RDWR)
+            raise ConnectionError("seed died")
+        super().send(sock, entry, offset, count)
+
+
+def test_one_stream_dying_fails_the_transfer_at_once_and_ends_every_thread(model, small_streams):
+    seed = _seed(_DiesOnStream(CheckpointIndex.scan(model), "norm.weight"))
+    try:
+        start = time.monotonic()
+        transfer = _open(seed, model, 3)
+        with pytest.raises(NetLoadError, match="closed|reset|Connection"):
+            dict(transfer)
+        assert time.monotonic() - start < 4  # well within the 5 s socket deadline
+        assert transfer.error and not any(t.is_alive() for t in transfer._threads)
+        assert all(s.fileno() == -1 for s in transfer.socks)  # closed
+    finally:
+        seed.stop()
+
+
+def test_a_corrupted_tensor_split_over_two_streams_is_caught(model, small_streams):
+    index = CheckpointIndex.scan(model)
+    plan = wire.plan([e.nbytes for e in index.entries], 2)
+    split = next(index.entries[i] for i, offset, _ in plan[1] if offset > 0)  # starts on stream 0
+    source = MemorySource(index)
+    view = source.view(split)
+    at = split.nbytes - 16  # the part stream 1 carries
+    view[:] = _crc32_preserving_change(bytes(view), at)
+    seed = _seed(source)
+    try:
+        with pytest.raises(NetLoadError, match=f"checksum mismatch in {split.name}$"):
+            dict(_open(seed, model, 2))
+    finally:
+        seed.stop()
+
+
+def test_an_abandoned_iteration_closes_the_transfer(model, small_streams):
+    seed = _seed(_StallsBefore(CheckpointIndex.scan(model), "norm.weight"))
+    try:
+        transfer = _open(seed, model, 2)
+        it = iter(transfer)
+        next(it)
+        it.close()  # what happens when the model's load_weights raises part way
+        assert transfer.error == "seed unit: transfer abandoned"
+        assert not any(t.is_alive() for t in transfer._threads) and all(s.fileno() == -1 for s in transfer.socks)
+    finally:
+        seed.source.release.set()
+        seed.stop()
