@@ -7,7 +7,8 @@ bench/results/). Side by side, in one run:
 1. one joiner: the raw loopback socket (one process sends the bytes with
    sendall, another receives them with recv_into into a buffer it zeroed
    before the clock starts: the floor), the same over two sockets (whether
-   one socket fills the link), NetLoader from an elastic-server (weights in
+   one socket fills the link) and over two into a buffer allocated inside
+   the clock (untouched pages, as a joiner's: their page faults), NetLoader from an elastic-server (weights in
    its RAM; its default streams, and one stream) and from a seed that serves
    the files through the page cache (an engine's own seed). GB/s and the
    ratio to the raw socket.
@@ -57,15 +58,17 @@ while True:
     c, _ = srv.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
 """
 RAW_SPLIT_RECEIVER = """
-import socket, sys, threading, time
-n, port, parts = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]); buf = bytearray(n); view = memoryview(buf)
+import mmap, socket, sys, threading, time
+n, port, parts, fresh = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["fresh"]
+t = time.perf_counter()  # a fresh buffer: untouched pages inside the clock, as a joiner has
+view = memoryview(mmap.mmap(-1, n) if fresh else bytearray(n))
 def one(part):
     lo, hi = n * part // parts, n * (part + 1) // parts
     s = socket.create_connection(("127.0.0.1", port)); s.sendall(bytes([part, parts])); got = lo
     while got < hi:
         k = s.recv_into(view[got:hi]); got += k
         if k == 0: raise SystemExit("short")
-t = time.perf_counter(); threads = [threading.Thread(target=one, args=(p,)) for p in range(parts)]
+t = t if fresh else time.perf_counter(); threads = [threading.Thread(target=one, args=(p,)) for p in range(parts)]
 [x.start() for x in threads]; [x.join() for x in threads]
 print(time.perf_counter() - t)
 """
@@ -139,6 +142,7 @@ def transfer(model: Path, total: int, elastic: Proc, repeat: int, joiners: int) 
     runs = {  # interleaved, best of `repeat`: the floor and ours see the same noise
         "raw": (RAW_RECEIVER, str(total), str(raw_port)),
         "raw2": (RAW_SPLIT_RECEIVER, str(total), str(split_port), "2"),
+        "raw2fresh": (RAW_SPLIT_RECEIVER, str(total), str(split_port), "2", "fresh"),
         "elastic": (FETCHER, str(model), elastic.seed),
         "elastic1": (FETCHER, str(model), elastic.seed, "--streams", "1"),
         "mapped": (FETCHER, str(model), f"127.0.0.1:{mapped_port}"),
@@ -154,6 +158,7 @@ def transfer(model: Path, total: int, elastic: Proc, repeat: int, joiners: int) 
             os.killpg(p.pid, 9)
     gbs = {k: total / v / 1e9 for k, v in best.items()}
     names = {"raw": "raw loopback socket (floor)", "raw2": "raw loopback, 2 sockets",
+             "raw2fresh": "raw loopback, 2 sockets, into a fresh buffer",
              "elastic": f"netloader, elastic-server (RAM), {STREAMS} streams",
              "elastic1": "netloader, elastic-server (RAM), 1 stream",
              "mapped": f"netloader, seed from page cache, {STREAMS} streams",

@@ -354,7 +354,8 @@ def _join() -> dict:
 def _netloader_seed_seeds():
     old = {k: v for k, v in _join().items() if k != "version"}  # a version-1 joiner: refused with a reason
     return [frame(_join()) + frame({"type": "GET"}), frame(_join()), frame({**_join(), "token": "nope"}),
-            frame({"type": "GET"}), frame(old) + frame({"type": "GET"})]
+            frame({"type": "GET"}), frame(old) + frame({"type": "GET"}),
+            frame({**_join(), "stream": 1}) + frame({"type": "GET", "part": 1, "parts": 2})]  # a further stream
 
 
 def _netloader_client_setup():
