@@ -4,7 +4,7 @@
 and wire version were accepted, the manifest is well formed, it describes
 this model, the host has memory for it) and returns a Transfer. Iterating
 it receives the tensors over up to `streams` TCP connections at once (one
-socket copies at one core's pace; on loopback two carry 1.9x what one does),
+socket copies at one core's pace; on loopback two carry 1.8x what one does),
 each a contiguous byte range of the checkpoint (wire.plan), into one host
 buffer; a second thread checks the CRC32C of every tensor as it completes,
 and the Transfer yields each tensor once it is verified, while the rest
@@ -347,6 +347,8 @@ class Transfer:
             t.join(self.timeout_s + 5)
         for sock in self.socks:
             sock.close()
+        if not any(t.is_alive() for t in self._threads):  # the host buffer goes once the tensors yielded do
+            self.buf = self._raw = None
 
 
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
