@@ -21,6 +21,8 @@ from typing import Iterator, Protocol
 class WeightTransfer(Protocol):
     address: str
     error: str | None  # why it failed, once it has
+    manifest: list[dict]
+    in_place: dict  # manifest index -> the target tensor it was received straight into
 
     def __iter__(self) -> Iterator[tuple]:
         """(name, tensor) of every tensor the seed serves, each once verified; NetLoadError on failure."""
@@ -28,8 +30,12 @@ class WeightTransfer(Protocol):
     def close(self) -> None:
         """Release the connections (also part way through); idempotent."""
 
+    def changed_in_place(self) -> list[str]:
+        """Names of tensors received in place whose target no longer holds their bytes."""
+
 
 class WeightTransport(Protocol):
     def __call__(self, address: str, token: str, expect_identity: dict, join_info: dict, timeout_s: float,
-                 max_bytes: int | None = None, *, streams: int = 1) -> WeightTransfer:
-        """The joined transfer from the seed at `address`; NetLoadError (before any data) otherwise."""
+                 max_bytes: int | None = None, *, streams: int = 1, targets: dict | None = None) -> WeightTransfer:
+        """The joined transfer from the seed at `address`; NetLoadError (before any data) otherwise.
+        `targets`: name -> tensor to receive that tensor straight into, where dtype and shape match."""

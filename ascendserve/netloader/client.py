@@ -6,10 +6,11 @@ this model, the host has memory for it) and returns a Transfer. Iterating
 it receives the tensors over up to `streams` TCP connections at once (one
 socket copies at one core's pace; on loopback two carry 1.8x what one does),
 each a contiguous byte range of the checkpoint (wire.plan), into one host
-buffer; a second thread checks the CRC32C of every tensor as it completes,
-and the Transfer yields each tensor once it is verified, while the rest
-stream. So the model's weight loading copies tensor i into its parameters
-while tensor i+1 arrives.
+buffer, or straight into a target tensor (the model's parameter) where one
+of the same name, dtype and shape is given; a second thread checks the
+CRC32C of every tensor as it completes, and the Transfer yields each tensor
+once it is verified, while the rest stream. So the model's weight loading
+copies tensor i into its parameters while tensor i+1 arrives.
 
 A seed that dies, stalls past `timeout_s` on any stream, lies about a byte or
 serves another model raises NetLoadError: from open_transfer() before any
@@ -130,10 +131,13 @@ def receive(sock: socket.socket, address: str, token: str, expect_identity: dict
 
 def open_transfer(address: str, token: str, expect_identity: dict, join_info: dict, timeout_s: float,
                   max_bytes: int | None = None, verify: bool = True, streams: int = STREAMS,
-                  connect=None) -> "Transfer":
+                  connect=None, targets: dict | None = None) -> "Transfer":
     """JOIN the seed on one connection, check its answer, JOIN on the further streams; NetLoadError else.
 
-    A further stream the seed refuses (busy) or that fails to connect just leaves fewer streams."""
+    A further stream the seed refuses (busy) or that fails to connect just leaves fewer streams.
+    `targets` (name -> tensor, e.g. the model's parameters): a tensor of the manifest whose target
+    has its dtype and shape and is contiguous in host memory is received straight into it (and
+    yielded as that very tensor), not into the host buffer."""
     try:
         wire.require_checksum()
     except wire.ChecksumUnavailable as exc:
@@ -150,10 +154,12 @@ def open_transfer(address: str, token: str, expect_identity: dict, join_info: di
     try:
         ack = _join(socks[0], address, token, expect_identity, join_info, timeout_s, 0)
         manifest = _check_manifest(ack, expect_identity)
+        in_place = _in_place(manifest, targets or {})
         offsets, total = [], 0
-        for e in manifest:
+        for i, e in enumerate(manifest):
             offsets.append(total)
-            total += -(-e["nbytes"] // ALIGN) * ALIGN
+            if i not in in_place:
+                total += -(-e["nbytes"] // ALIGN) * ALIGN
         if max_bytes is not None and total > max_bytes:
             raise NetLoadError(f"weights of {total / 2**30:.2f} GiB exceed the {max_bytes / 2**30:.2f} GiB "
                                "this host can hold")
@@ -173,7 +179,7 @@ def open_transfer(address: str, token: str, expect_identity: dict, join_info: di
                 log.info("netloader: fewer streams", seed=address, streams=len(socks) - 1, reason=str(exc))
                 socks.pop().close()
                 break
-        return Transfer(address, socks, manifest, offsets, total, ack["total_bytes"], timeout_s, verify)
+        return Transfer(address, socks, manifest, offsets, total, ack["total_bytes"], timeout_s, verify, in_place)
     except BaseException:
         for sock in socks:
             sock.close()
@@ -199,6 +205,22 @@ def _join(sock: socket.socket, address: str, token: str, expect_identity: dict, 
     return ack
 
 
+def _in_place(manifest: list[dict], targets: dict) -> dict:
+    """{manifest index: target tensor} of the tensors that can be received straight into their target."""
+    if not targets:
+        return {}
+    import torch
+
+    found = {}
+    for i, e in enumerate(manifest):
+        t = targets.get(e["name"])
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() \
+                and t.dtype == getattr(torch, TORCH_DTYPES[e["dtype"]]) and list(t.shape) == e["shape"] \
+                and t.untyped_storage().nbytes() >= t.storage_offset() * t.element_size() + e["nbytes"]:
+            found[i] = t
+    return found
+
+
 def receive_buffer(nbytes: int):
     """The uint8 tensor every tensor is received into: untouched pages, faulted in by the streams that
     fill them (in parallel). Touching them first only moves that cost (README: NetLoader performance)."""
@@ -219,13 +241,16 @@ class Transfer:
     thread waits past it) and is raised from the iteration. Every socket has `timeout_s`."""
 
     def __init__(self, address: str, socks: list, manifest: list[dict], offsets: list[int], total: int,
-                 payload_bytes: int, timeout_s: float, verify: bool):
+                 payload_bytes: int, timeout_s: float, verify: bool, in_place: dict | None = None):
         self.address, self.socks, self.manifest, self.offsets = address, socks, manifest, offsets
         self.timeout_s, self.verify = timeout_s, verify
         self.payload_bytes = payload_bytes
         self.error: str | None = None
         self.buf = receive_buffer(total)
         self._raw = memoryview(self.buf.numpy())
+        self.in_place: dict[int, object] = in_place or {}  # index -> the target its bytes go straight into
+        self._dest = [_bytes_of(self.in_place[i]) if i in self.in_place
+                      else self._raw[offsets[i]:offsets[i] + e["nbytes"]] for i, e in enumerate(manifest)]
         self._remaining = [e["nbytes"] for e in manifest]
         self._lock = threading.Lock()
         self._checks: queue.Queue = queue.Queue()
@@ -247,7 +272,10 @@ class Transfer:
             for _ in range(len(self.manifest)):
                 i = self._next_ready()
                 e = self.manifest[i]
-                yield e["name"], _tensor(self.buf, self.offsets[i], e, torch)
+                if i in self.in_place:
+                    yield e["name"], self.in_place[i]
+                else:
+                    yield e["name"], _tensor(self.buf, self.offsets[i], e, torch)
             if self._next_ready(end=True) is not None:
                 raise NetLoadError(f"seed {self.address}: a stream did not end")  # unreachable by design
             seconds = progress.finish()
@@ -295,8 +323,7 @@ class Transfer:
                     raise NetLoadError(f"seed {self.address} sent {head.get('type')} {head.get('name')!r} "
                                        f"where tensor {i} ({e['name']}) from byte {offset} was due")
                 if n:
-                    start = self.offsets[i] + offset
-                    recv_exact(sock, n, self._raw[start:start + n])
+                    recv_exact(sock, n, self._dest[i][offset:offset + n])
                 with self._lock:
                     self._remaining[i] -= n
                     complete = self._remaining[i] == 0
@@ -320,8 +347,7 @@ class Transfer:
         while (i := self._checks.get()) is not None:
             e = self.manifest[i]
             if self.verify and self.error is None:
-                start = self.offsets[i]
-                if wire.crc32c(self._raw[start:start + e["nbytes"]]) != e[wire.CHECKSUM]:
+                if wire.crc32c(self._dest[i]) != e[wire.CHECKSUM]:
                     self._fail(f"seed {self.address}: checksum mismatch in {e['name']}")
                     continue
             self._ready.put(i)
@@ -348,13 +374,27 @@ class Transfer:
         for sock in self.socks:
             sock.close()
         if not any(t.is_alive() for t in self._threads):  # the host buffer goes once the tensors yielded do
-            self.buf = self._raw = None
+            self.buf = self._raw = self._dest = None
+
+    def changed_in_place(self) -> list[str]:
+        """Names of the tensors received in place whose target no longer holds their bytes (call it once
+        the model's load_weights is done: a model that transforms a tensor while loading it, where
+        the source is the target, is caught here)."""
+        return [self.manifest[i]["name"] for i, t in self.in_place.items()
+                if wire.crc32c(_bytes_of(t)) != self.manifest[i][wire.CHECKSUM]]
 
 
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
                 "U64": "uint64"}
+
+
+def _bytes_of(t) -> memoryview:
+    """The bytes of a contiguous host tensor, writable in place."""
+    import torch
+
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _tensor(buf, offset: int, e: dict, torch):

@@ -108,40 +108,62 @@ class NetLoader(DefaultModelLoader):
         log.warning("netloader: loading the weights from disk instead", reason=why)
         super().load_weights(model, model_config)
 
-    def _load_from_seeds(self, model, model_config) -> str | None:
+    def _load_from_seeds(self, model, model_config, in_place: bool = True) -> str | None:
         """None once one seed's weights are loaded, else why none were.
 
         A seed is used only once its handshake passed (right model, version, token, room); its
         verified tensors go into the model's `load_weights` while the rest stream. A seed failing
         mid-transfer leaves some parameters with its bytes: the next seed, or the disk, loads
-        every parameter again (vLLM's load_weights writes them all), so no half model serves."""
+        every parameter again (vLLM's load_weights writes them all), so no half model serves.
+
+        In place: a checkpoint tensor whose parameter has its very name, dtype and shape (so,
+        unquantized and unsharded) is received straight into the parameter, and load_weights'
+        copy of it onto itself is a no-op (torch skips a copy between views of the same data).
+        Only load_weights knows where a tensor really goes: if afterwards a parameter received
+        in place no longer holds the tensor's bytes (the model transformed it while loading),
+        everything is loaded again without in-place receiving."""
         try:
             ordered, open_transfer = self._seeds(model_config.model)
         except NetLoadError as exc:
             return str(exc)
+        targets = {} if not in_place or getattr(model_config, "quantization", None) else \
+            {name: p.data for name, p in model.named_parameters()}
         errors = []
         for address in ordered:
             try:
-                transfer = open_transfer(address)
+                transfer = open_transfer(address, targets)
             except NetLoadError as exc:
                 log.warning("netloader: seed failed", seed=address, error=str(exc))
                 errors.append(str(exc))
                 continue
             self._received = transfer
+            again = ""  # why to load again without receiving in place
             try:
                 super().load_weights(model, model_config)
-                return None
+                changed = transfer.changed_in_place()
+                if not changed:
+                    if transfer.in_place:
+                        log.info("netloader: tensors received straight into their parameters",
+                                 tensors=len(transfer.in_place), of=len(transfer.manifest))
+                    return None
+                again = f"the model's load_weights changed {len(changed)} of them ({', '.join(changed[:3])})"
             except Exception as exc:
                 if transfer.error is None and not isinstance(exc, NetLoadError):
-                    # what arrived does not fit this model: load it all again from disk
-                    return f"the model rejected the received weights: {type(exc).__name__}: {exc}"
-                why = transfer.error or str(exc)
-                log.warning("netloader: seed failed mid-transfer; the next source loads every weight again",
-                            seed=address, error=why)
-                errors.append(why)
+                    if not transfer.in_place:  # what arrived does not fit this model: all again from disk
+                        return f"the model rejected the received weights: {type(exc).__name__}: {exc}"
+                    # perhaps because of the in-place receiving (torch refuses a copy between aliases)
+                    again = f"the model's load_weights failed: {type(exc).__name__}: {exc}"
+                else:
+                    why = transfer.error or str(exc)
+                    log.warning("netloader: seed failed mid-transfer; the next source loads every weight again",
+                                seed=address, error=why)
+                    errors.append(why)
             finally:
                 self._received = None
                 transfer.close()
+            if again:
+                log.warning("netloader: loading again without receiving into the parameters", reason=again)
+                return self._load_from_seeds(model, model_config, in_place=False)
         return "; ".join(errors) or "no sources"
 
     def _seeds(self, model_dir: str):
@@ -163,7 +185,8 @@ class NetLoader(DefaultModelLoader):
         # the ranks of one instance share its host's link: its streams are split between them
         streams = max(1, int(self.settings.get("streams", STREAMS)) // (rank["tp_size"] * rank["pp_size"]))
         timeout_s = float(self.settings.get("timeout_s", 30.0))
-        return ordered, lambda address: transport(address, token, own, rank, timeout_s, max_bytes, streams=streams)
+        return ordered, lambda address, targets: transport(address, token, own, rank, timeout_s, max_bytes,
+                                                           streams=streams, targets=targets)
 
     def _sources(self, config_sha256: str, token: str) -> list[str]:
         sources = list(self.settings.get("sources") or [])

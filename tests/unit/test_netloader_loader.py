@@ -38,22 +38,59 @@ def model_dir(tmp_path):
 
 
 class Model(torch.nn.Module):
+    """Parameters named as the checkpoint's tensors (a.weight: module a, parameter weight), NaN at first."""
+
     def __init__(self, want: dict, on_tensor=None):
         super().__init__()
         self.on_tensor = on_tensor or (lambda seen: None)
         for name, t in want.items():
-            self.register_parameter(name.replace(".", "_"), torch.nn.Parameter(torch.full_like(t, float("nan")),
-                                                                               requires_grad=False))
+            module, _, leaf = name.partition(".")
+            if not hasattr(self, module):
+                self.add_module(module, torch.nn.Module())
+            getattr(self, module).register_parameter(
+                leaf, torch.nn.Parameter(torch.full_like(t, float("nan")), requires_grad=False))
         self.calls: list[list[str]] = []
+        self.in_place: list[str] = []  # tensors handed over that already were their parameter's memory
+
+    def load(self, param, tensor) -> None:
+        param.data.copy_(tensor)
 
     def load_weights(self, weights) -> set[str]:
         seen: list[str] = []
         self.calls.append(seen)
         for name, tensor in weights:
-            getattr(self, name.replace(".", "_")).data.copy_(tensor)
+            param = self.get_parameter(name)
+            if tensor.data_ptr() == param.data_ptr():
+                self.in_place.append(name)
+            self.load(param, tensor) if name == "b.weight" else param.data.copy_(tensor)
             seen.append(name)
             self.on_tensor(seen)
         return {n for n, _ in self.named_parameters()}
+
+
+class Transposing(Model):
+    """A model whose load_weights stores b.weight transposed (as some loaders reshape what they read):
+    torch refuses that copy between aliases of one parameter received in place."""
+
+    def load(self, param, tensor) -> None:
+        param.data.copy_(tensor.t())
+
+    @staticmethod
+    def expect(tensor):
+        return tensor.t()
+
+
+class Scaling(Model):
+    """A model whose load_weights scales b.weight after copying it in: silently wrong in place
+    (scaled where it was received), caught by the parameters' checksums after the load."""
+
+    def load(self, param, tensor) -> None:
+        param.data.copy_(tensor)
+        param.data.mul_(2)
+
+    @staticmethod
+    def expect(tensor):
+        return tensor * 2
 
 
 class _CorruptsLast(MemorySource):
@@ -79,14 +116,15 @@ def seeds(model_dir, monkeypatch):
     made = {"good": Seed(MemorySource(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5),
             "bad": Seed(_CorruptsLast(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5)}
 
-    def transport(address, token, own, rank, timeout_s, max_bytes=None, *, streams=1):
+    def transport(address, token, own, rank, timeout_s, max_bytes=None, *, streams=1, targets=None):
         seed = made[address.split(":")[0]]
 
         def connect():
             ours, theirs = socket.socketpair()
             threading.Thread(target=seed._serve, args=(theirs, ("unit", 0)), daemon=True).start()
             return ours
-        return open_transfer(address, token, own, rank, timeout_s, max_bytes, streams=streams, connect=connect)
+        return open_transfer(address, token, own, rank, timeout_s, max_bytes, streams=streams, connect=connect,
+                             targets=targets)
 
     made["bad"].source.go.set()  # a test that wants the last tensor held back clears it
     monkeypatch.setitem(netloader.TRANSPORTS, "unit", transport)
@@ -96,26 +134,42 @@ def seeds(model_dir, monkeypatch):
         seed.stop()
 
 
-def _load(model_dir, sources: list[str], fallback: str = "disk", on_tensor=None) -> Model:
+def _load(model_dir, sources: list[str], fallback: str = "disk", on_tensor=None, kind=Model,
+          quantization=None) -> Model:
     from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
 
     want = load_file(str(model_dir / "model.safetensors"))
-    model = Model(want, on_tensor)
+    model = kind(want, on_tensor)
     settings = {"sources": sources, "transport": "unit", "fallback": fallback, "timeout_s": 5.0}
     loader = netloader.NetLoader(LoadConfig(load_format="netloader",
                                             model_loader_extra_config={"netloader": settings}))
-    config = SimpleNamespace(model=str(model_dir), revision=None, quantization=None, is_moe=False,
+    config = SimpleNamespace(model=str(model_dir), revision=None, quantization=quantization, is_moe=False,
                              multimodal_config=None)
     with set_current_vllm_config(VllmConfig(load_config=loader.load_config)):
         loader.load_weights(model, config)
     for name, tensor in want.items():
-        assert getattr(model, name.replace(".", "_")).equal(tensor), name
+        expected = kind.expect(tensor) if kind is not Model and name == "b.weight" else tensor
+        assert model.get_parameter(name).equal(expected), name
     return model
 
 
-def test_weights_from_a_seed_stream_into_the_model(model_dir, seeds):
+def test_weights_from_a_seed_stream_into_the_model_received_in_place(model_dir, seeds):
     model = _load(model_dir, ["good:1"])
     assert model.calls == [sorted(model.calls[0])] and len(model.calls[0]) == 4 and seeds["good"].served == 1
+    assert sorted(model.in_place) == ["a.weight", "b.weight", "c.bias", "d.weight"]  # no copy, no host buffer
+
+
+@pytest.mark.parametrize("kind", [Transposing, Scaling])
+def test_a_model_that_transforms_a_weight_while_loading_gets_everything_again_not_in_place(model_dir, seeds, kind):
+    model = _load(model_dir, ["good:1"], kind=kind)  # b.weight ends up as the model makes it
+    assert len(model.calls) == 2 and len(model.calls[1]) == 4 and seeds["good"].served == 2
+    first_pass = ["a.weight", "b.weight"] if kind is Transposing else ["a.weight", "b.weight", "c.bias", "d.weight"]
+    assert model.in_place == first_pass  # the second pass received into the host buffer
+
+
+def test_quantized_models_are_not_received_in_place(model_dir, seeds):
+    model = _load(model_dir, ["good:1"], quantization="fp8")
+    assert model.in_place == [] and len(model.calls) == 1
 
 
 def test_a_seed_failing_mid_transfer_means_the_next_seed_loads_every_weight(model_dir, seeds):

@@ -433,3 +433,22 @@ def test_an_abandoned_iteration_closes_the_transfer(model, small_streams):
     finally:
         seed.source.release.set()
         seed.stop()
+
+
+def test_targets_of_the_same_dtype_and_shape_are_received_in_place(model, small_streams):
+    want = load_file(str(model / "model.safetensors"))
+    targets = {"embed.weight": torch.empty(64, 32),  # received in place
+               "norm.weight": torch.empty(32, dtype=torch.float64),  # another dtype
+               "head.bias": torch.empty(14, dtype=torch.int64)[::2],  # not contiguous
+               "empty": torch.empty(3, 0)}  # another shape: all three into the host buffer
+    seed = _seed(MemorySource(CheckpointIndex.scan(model)))
+    try:
+        transfer = _open(seed, model, 2, targets=targets)
+        assert [transfer.manifest[i]["name"] for i in transfer.in_place] == ["embed.weight"]
+        got = dict(transfer)
+    finally:
+        seed.stop()
+    assert got["embed.weight"] is targets["embed.weight"] and targets["embed.weight"].equal(want["embed.weight"])
+    assert all(got[k].equal(want[k]) for k in want) and transfer.changed_in_place() == []
+    targets["embed.weight"][3, 3] += 1  # what a model transforming it while loading would do
+    assert transfer.changed_in_place() == ["embed.weight"]
