@@ -64,14 +64,11 @@ def registry_seeds(metaserver_url: str, token: str, config_sha256: str, timeout_
     return seeds_of(view.get("instances", []), config_sha256)
 
 
-def etcd_seeds(settings: dict, password: str, config_sha256: str, timeout_s: float) -> list[str]:
-    """Seeds of this model registered in etcd: dedicated elastic-servers first."""
+def etcd_seeds(settings, config_sha256: str, timeout_s: float) -> list[str]:
+    """Seeds of this model registered in etcd (`settings`: an EtcdSettings): dedicated elastic-servers first."""
     from ascendserve.discovery import etcd
 
-    fields = {k: v for k, v in settings.items() if k in etcd.EtcdSettings.__dataclass_fields__}
-    found = etcd.instances(etcd.EtcdSettings(**{**fields, "endpoints": tuple(settings.get("endpoints", ())),
-                                                "password": password}), timeout_s)
-    return seeds_of(found, config_sha256)
+    return seeds_of(etcd.instances(settings, timeout_s), config_sha256)
 
 
 def seeds_of(instances: list, config_sha256: str) -> list[str]:
@@ -193,12 +190,15 @@ class NetLoader(DefaultModelLoader):
         timeout_s = float(self.settings.get("timeout_s", 30.0))
         if sources == ["auto"] and self.settings.get("etcd"):
             from ascendserve.config import environ
-            from ascendserve.discovery.etcd import EtcdError
+            from ascendserve.discovery.etcd import EtcdError, EtcdSettings
 
+            try:  # vllm_server wrote them with EtcdSettings.to_dict; the password is in the environment
+                etcd = EtcdSettings.from_dict(self.settings["etcd"], environ().get("ASCENDSERVE_REGISTRY_PASSWORD", ""))
+            except ValueError as exc:
+                raise NetLoadError(f"netloader's etcd settings: {exc}") from None
             try:
-                sources = etcd_seeds(self.settings["etcd"], environ().get("ASCENDSERVE_REGISTRY_PASSWORD", ""),
-                                     config_sha256, timeout_s)
-            except (EtcdError, OSError, ValueError, TypeError) as exc:
+                sources = etcd_seeds(etcd, config_sha256, timeout_s)
+            except (EtcdError, OSError, ValueError) as exc:
                 raise NetLoadError(f"etcd unreachable for seed discovery: {exc}") from None
             if not sources:
                 raise NetLoadError(f"etcd knows no seed of this model (config {config_sha256[:12]})")
