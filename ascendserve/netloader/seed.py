@@ -29,6 +29,7 @@ from __future__ import annotations
 import hmac
 import socket
 import threading
+import time
 
 import structlog
 
@@ -52,7 +53,9 @@ class Seed:
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._running = 0  # connections transferring (a joiner's further streams each count)
-        self._running_lock = threading.Lock()
+        self._running_lock = threading.Lock()  # also guards the counters and the two sets below
+        self._open: set[socket.socket] = set()  # connections being served, shut down by stop()
+        self._workers: set[threading.Thread] = set()  # their threads, waited for by stop()
         self._connections = threading.BoundedSemaphore(max_clients + MAX_HANDSHAKES)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="netloader-seed", daemon=True)
@@ -65,7 +68,10 @@ class Seed:
                  gib=round(self.index.total_bytes / 2**30, 3), source=type(self.source).__name__)
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, end every connection (transfers part way get an error), wait up to
+        `timeout_s` for their threads, then release the weights."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
@@ -76,7 +82,19 @@ class Seed:
         except OSError:
             pass
         if self._thread.ident is not None:  # started
-            self._thread.join(5)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        with self._running_lock:  # no connection registers after this (_serve checks _stop under the lock)
+            conns, workers = list(self._open), list(self._workers)
+        for conn in conns:  # wakes a thread blocked in recv, send or sendfile
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        left = sum(w.is_alive() for w in workers)
+        if left:
+            log.warning("netloader seed: connection threads still running at stop", threads=left)
         self.source.close()
 
     def _accept(self) -> None:
@@ -86,26 +104,41 @@ class Seed:
             except OSError:
                 return
             if not self._connections.acquire(blocking=False):  # a flood of idle sockets costs no threads
-                self.refused += 1
+                self._count("refused")
                 log.warning("netloader: too many connections; refusing", peer=peer[0])
                 conn.close()
                 continue
-            threading.Thread(target=self._serve_counted, args=(conn, peer), name="netloader-send", daemon=True).start()
+            worker = threading.Thread(target=self._serve_counted, args=(conn, peer), name="netloader-send",
+                                      daemon=True)
+            with self._running_lock:
+                self._workers.add(worker)
+            worker.start()
 
     def _serve_counted(self, conn: socket.socket, peer) -> None:
         try:
             self._serve(conn, peer)
         finally:
             self._connections.release()
+            with self._running_lock:
+                self._workers.discard(threading.current_thread())
+
+    def _count(self, counter: str) -> None:
+        with self._running_lock:
+            setattr(self, counter, getattr(self, counter) + 1)
 
     def _serve(self, conn: socket.socket, peer) -> None:
+        with self._running_lock:
+            if self._stop.is_set():
+                conn.close()
+                return
+            self._open.add(conn)
         with conn:
             try:
                 conn.settimeout(self.handshake_s)
                 join = read_frame(conn, MAX_JOIN_BYTES)
                 reason = self._check_join(join)
                 if reason == "token":
-                    self.refused += 1
+                    self._count("refused")
                     log.warning("netloader: refused a connection without a valid cluster token", peer=peer[0])
                     send_frame(conn, {"type": "JOIN_NACK", "reason": "cluster token missing or wrong"})
                     return
@@ -125,6 +158,9 @@ class Seed:
                 log.warning("netloader: connection dropped", peer=peer[0], error=f"{type(exc).__name__}: {exc}")
             except Exception as exc:  # e.g. stop() closed the source under a running transfer: this connection only
                 log.warning("netloader: transfer failed", peer=peer[0], error=f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._running_lock:
+                    self._open.discard(conn)
 
     def _take_slot(self, stream) -> bool:
         """A joiner's first stream may take any free slot; its further streams (`stream` > 0) leave a
@@ -170,4 +206,4 @@ class Seed:
                 self.source.send(conn, entry, offset, count)
         send_frame(conn, {"type": "DONE"})
         if part == 0:
-            self.served += 1
+            self._count("served")

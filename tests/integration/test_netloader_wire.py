@@ -190,3 +190,34 @@ def test_unreachable_seed_and_bad_directory(text_model, tmp_path):
         fetch(f"127.0.0.1:{port}", TOKEN, identity(text_model), {}, 2.0)
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         CheckpointIndex.scan(tmp_path)
+
+
+@pytest.mark.parametrize("kind", [MemorySource, MappedSource])
+def test_stop_ends_running_transfers_and_waits_for_their_threads(tmp_path, kind):
+    """A joiner that stops reading part way holds the seed's connection thread in a send until `idle_s`
+    (60 s here): stop() ends that connection and waits for its thread, within its own deadline."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ascendserve.netloader.wire import WIRE_VERSION
+
+    (tmp_path / "config.json").write_text('{"architectures": ["Big"]}')
+    save_file({"a": torch.randn(8 << 20)}, str(tmp_path / "model.safetensors"))  # 32 MiB: over any socket buffer
+    before = set(threading.enumerate())
+    seed = _seed(kind(CheckpointIndex.scan(tmp_path)), idle_s=60.0)
+    try:
+        with socket.create_connection(("127.0.0.1", seed.port), timeout=10) as s:
+            send_frame(s, {"type": "JOIN", "token": TOKEN, "identity": identity(tmp_path), "version": WIRE_VERSION})
+            ack = read_frame(s, 0)
+            assert ack["type"] == "JOIN_ACK", ack
+            send_frame(s, {"type": "GET"})
+            assert s.recv(4096)  # the transfer began; this joiner reads no more
+            time.sleep(1.0)  # the seed's send blocks on the full socket buffers
+            senders = [t for t in set(threading.enumerate()) - before if t.name == "netloader-send"]
+            assert len(senders) == 1 and senders[0].is_alive()
+            start = time.monotonic()
+            seed.stop(timeout_s=10.0)
+            assert time.monotonic() - start < 5
+            assert not senders[0].is_alive()
+    finally:
+        seed.stop()
