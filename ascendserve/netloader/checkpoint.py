@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ascendserve.netloader import wire
+from ascendserve.protocol.frames import send_blocks
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 # safetensors dtype -> bytes per element (what a receiver needs to size a buffer)
@@ -160,7 +161,7 @@ class MemorySource:
 
     def send(self, sock, entry: TensorEntry, offset: int = 0, count: int | None = None) -> None:
         view = self.view(entry)
-        sock.sendall(view[offset:] if count is None else view[offset:offset + count])
+        send_blocks(sock, view[offset:] if count is None else view[offset:offset + count])
 
     def close(self) -> None:
         self._bytes.clear()

@@ -28,11 +28,13 @@ import sys
 import threading
 import time
 
+import msgspec
 import structlog
 
 from ascendserve.netloader import wire
 from ascendserve.netloader.checkpoint import DTYPE_BYTES
 from ascendserve.protocol.frames import FrameError, read_frame, recv_exact, send_frame
+from ascendserve.protocol.wire import decode_msgpack
 
 log = structlog.get_logger("ascendserve.netloader")
 ALIGN = 64  # every tensor starts 64-byte aligned in the receive buffer (dtype views need it)
@@ -52,8 +54,12 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _check_manifest(ack: dict, expect_identity: dict) -> list[dict]:
-    identity, manifest = ack.get("identity"), ack.get("manifest")
+def _check_manifest(ack: dict, raw_manifest: bytes, expect_identity: dict) -> list[dict]:
+    try:
+        manifest = decode_msgpack(raw_manifest)
+    except msgspec.DecodeError as exc:
+        raise NetLoadError(f"malformed manifest: {exc}") from None
+    identity = ack.get("identity")
     if not isinstance(identity, dict) or not isinstance(manifest, list) or len(manifest) > MAX_TENSORS:
         raise NetLoadError("malformed JOIN_ACK")
     if identity.get("config_sha256") != expect_identity["config_sha256"]:
@@ -152,8 +158,8 @@ def open_transfer(address: str, token: str, expect_identity: dict, join_info: di
                 raise NetLoadError(f"seed {address} unreachable: {exc}") from None
     socks = [connect()]
     try:
-        ack = _join(socks[0], address, token, expect_identity, join_info, timeout_s, 0)
-        manifest = _check_manifest(ack, expect_identity)
+        ack, raw_manifest = _join(socks[0], address, token, expect_identity, join_info, timeout_s, 0)
+        manifest = _check_manifest(ack, raw_manifest, expect_identity)
         in_place = _in_place(manifest, targets or {})
         offsets, total = [], 0
         for i, e in enumerate(manifest):
@@ -172,8 +178,9 @@ def open_transfer(address: str, token: str, expect_identity: dict, join_info: di
                 break
             socks.append(sock)
             try:
-                other = _join(sock, address, token, expect_identity, join_info, timeout_s, len(socks) - 1)
-                if (other.get("identity"), other.get("manifest")) != (ack["identity"], ack["manifest"]):
+                other, other_manifest = _join(sock, address, token, expect_identity, join_info, timeout_s,
+                                              len(socks) - 1)
+                if (other.get("identity"), other_manifest) != (ack["identity"], raw_manifest):
                     raise NetLoadError(f"seed {address} answered another manifest on a further stream")
             except NetLoadError as exc:
                 log.info("netloader: fewer streams", seed=address, streams=len(socks) - 1, reason=str(exc))
@@ -187,22 +194,23 @@ def open_transfer(address: str, token: str, expect_identity: dict, join_info: di
 
 
 def _join(sock: socket.socket, address: str, token: str, expect_identity: dict, join_info: dict,
-          timeout_s: float, stream: int) -> dict:
-    """JOIN on a connected socket; the seed's JOIN_ACK of our wire version, or NetLoadError."""
+          timeout_s: float, stream: int) -> tuple[dict, bytes]:
+    """JOIN on a connected socket; the seed's JOIN_ACK of our wire version and its manifest's bytes
+    (the payload, not yet decoded), or NetLoadError."""
     sock.settimeout(timeout_s)
     try:
         send_frame(sock, {"type": "JOIN", "token": token, "identity": expect_identity, **join_info,
                           "stream": stream, "version": wire.WIRE_VERSION})
-        ack = read_frame(sock, 0)
+        ack = read_frame(sock, wire.MAX_MANIFEST_BYTES)
+        if ack["type"] == "JOIN_NACK":
+            raise NetLoadError(f"seed {address} refused: {str(ack.get('reason'))[:500]}")
+        if ack["type"] != "JOIN_ACK":
+            raise NetLoadError(f"seed {address} answered {ack['type']} to JOIN")
+        if (why := wire.ack_refusal(ack)) is not None:  # before reading what another version sent
+            raise NetLoadError(f"seed {address}: {why}")
+        return ack, recv_exact(sock, ack.get("payload", 0))
     except (FrameError, ConnectionError, OSError) as exc:  # socket.timeout is an OSError
         raise NetLoadError(f"seed {address}: {type(exc).__name__}: {exc}") from None
-    if ack["type"] == "JOIN_NACK":
-        raise NetLoadError(f"seed {address} refused: {str(ack.get('reason'))[:500]}")
-    if ack["type"] != "JOIN_ACK":
-        raise NetLoadError(f"seed {address} answered {ack['type']} to JOIN")
-    if (why := wire.ack_refusal(ack)) is not None:
-        raise NetLoadError(f"seed {address}: {why}")
-    return ack
 
 
 def _in_place(manifest: list[dict], targets: dict) -> dict:

@@ -3,7 +3,8 @@
 Conversation (ascendserve.protocol.frames, msgpack headers, raw payloads):
 
     joiner -> JOIN {version, token, identity, stream, tp_rank, tp_size, pp_rank, pp_size}
-    seed   -> JOIN_ACK {version, identity, manifest: [{name, dtype, shape, nbytes, crc32c}], total_bytes}
+    seed   -> JOIN_ACK {version, identity, total_bytes} + payload: the manifest, msgpack
+                  [{name, dtype, shape, nbytes, crc32c}] (any size up to wire.MAX_MANIFEST_BYTES)
             | JOIN_NACK {reason}                      (then closes)
     joiner -> GET {part, parts}
     seed   -> TENSOR {index, name, offset} + payload, for every chunk of part `part` (wire.plan), in order
@@ -31,11 +32,12 @@ import socket
 import threading
 import time
 
+import msgspec
 import structlog
 
 from ascendserve.netloader import wire
-from ascendserve.netloader.checkpoint import CheckpointIndex, MappedSource, MemorySource
-from ascendserve.protocol.frames import FrameError, encode, read_frame, send_frame
+from ascendserve.netloader.checkpoint import CheckpointError, CheckpointIndex, MappedSource, MemorySource
+from ascendserve.protocol.frames import FrameError, encode, read_frame, send_blocks, send_frame
 
 log = structlog.get_logger("ascendserve.netloader.seed")
 MAX_JOIN_BYTES = 0  # JOIN/GET carry no payload
@@ -47,6 +49,10 @@ class Seed:
                  max_clients: int = 16, handshake_s: float = 10.0, idle_s: float = 60.0):
         self.source = source
         self.index: CheckpointIndex = source.index
+        self._manifest = msgspec.msgpack.encode(self.index.manifest())  # every JOIN_ACK's payload
+        if len(self._manifest) > wire.MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{self.index.model_dir}: the manifest of {len(self.index.entries)} tensors "
+                                  f"takes {len(self._manifest)} bytes, over the wire's {wire.MAX_MANIFEST_BYTES}")
         self.token = token.encode()
         self.max_clients = max_clients
         self.handshake_s, self.idle_s = handshake_s, idle_s
@@ -183,8 +189,9 @@ class Seed:
         return wire.join_refusal(join)
 
     def _transfer(self, conn: socket.socket, join: dict, peer) -> None:
-        send_frame(conn, {"type": "JOIN_ACK", "version": wire.WIRE_VERSION, "identity": self.index.identity,
-                          "manifest": self.index.manifest(), "total_bytes": self.index.total_bytes})
+        conn.sendall(encode({"type": "JOIN_ACK", "version": wire.WIRE_VERSION, "identity": self.index.identity,
+                             "total_bytes": self.index.total_bytes}, len(self._manifest)))
+        send_blocks(conn, self._manifest)
         conn.settimeout(self.idle_s)
         get = read_frame(conn, MAX_JOIN_BYTES)
         if get["type"] != "GET":

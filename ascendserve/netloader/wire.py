@@ -91,6 +91,10 @@ def ack_refusal(ack: dict) -> str | None:
 
 
 MAX_STREAMS = 16  # connections one joiner may split a transfer over
+# The manifest travels as the JOIN_ACK's payload (msgpack), not in its header, whose frames.MAX_HEADER
+# (64 KiB) a model of a few hundred tensors already exceeds; ~150 bytes a tensor, so this bounds it at
+# about a million tensors (client.MAX_TENSORS)
+MAX_MANIFEST_BYTES = 256 << 20
 
 
 def plan(sizes: list[int], parts: int) -> list[list[tuple[int, int, int]]]:

@@ -382,8 +382,11 @@ def _netloader_client_seeds():
 
     source = MemorySource(CheckpointIndex.scan(_tiny_checkpoint()))
     index = source.index
-    ack = frame({"type": "JOIN_ACK", "version": WIRE_VERSION, "identity": index.identity,
-                 "manifest": index.manifest(), "total_bytes": index.total_bytes})
+    def ack_of(manifest: list) -> bytes:  # version 2: the manifest is the JOIN_ACK's payload
+        return frame({"type": "JOIN_ACK", "version": WIRE_VERSION, "identity": index.identity,
+                      "total_bytes": index.total_bytes}, msgspec.msgpack.encode(manifest))
+
+    ack = ack_of(index.manifest())
     tensors = b"".join(frame({"type": "TENSOR", "index": i, "name": e.name}, bytes(source.view(e)))
                        for i, e in enumerate(index.entries))
     bad_crc = [{**e, CHECKSUM: crc32c(b"other")} for e in index.manifest()]
@@ -392,8 +395,7 @@ def _netloader_client_seeds():
            for e, entry in zip(index.manifest(), index.entries)]
     return [ack + tensors + frame({"type": "DONE"}), ack,
             frame({"type": "JOIN_NACK", "reason": "busy"}),
-            frame({"type": "JOIN_ACK", "version": WIRE_VERSION, "identity": index.identity, "manifest": bad_crc,
-                   "total_bytes": index.total_bytes}) + tensors + frame({"type": "DONE"}),
+            ack_of(bad_crc) + tensors + frame({"type": "DONE"}),
             frame({"type": "JOIN_ACK", "identity": index.identity, "manifest": old,
                    "total_bytes": index.total_bytes}) + tensors + frame({"type": "DONE"})]
 

@@ -199,7 +199,8 @@ def test_stop_ends_running_transfers_and_waits_for_their_threads(tmp_path, kind)
     import torch
     from safetensors.torch import save_file
 
-    from ascendserve.netloader.wire import WIRE_VERSION
+    from ascendserve.netloader.wire import MAX_MANIFEST_BYTES, WIRE_VERSION
+    from ascendserve.protocol.frames import recv_exact
 
     (tmp_path / "config.json").write_text('{"architectures": ["Big"]}')
     save_file({"a": torch.randn(8 << 20)}, str(tmp_path / "model.safetensors"))  # 32 MiB: over any socket buffer
@@ -208,8 +209,9 @@ def test_stop_ends_running_transfers_and_waits_for_their_threads(tmp_path, kind)
     try:
         with socket.create_connection(("127.0.0.1", seed.port), timeout=10) as s:
             send_frame(s, {"type": "JOIN", "token": TOKEN, "identity": identity(tmp_path), "version": WIRE_VERSION})
-            ack = read_frame(s, 0)
+            ack = read_frame(s, MAX_MANIFEST_BYTES)
             assert ack["type"] == "JOIN_ACK", ack
+            recv_exact(s, ack["payload"])
             send_frame(s, {"type": "GET"})
             assert s.recv(4096)  # the transfer began; this joiner reads no more
             time.sleep(1.0)  # the seed's send blocks on the full socket buffers

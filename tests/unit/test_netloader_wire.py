@@ -14,6 +14,7 @@ import threading
 import time
 import zlib
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -108,13 +109,16 @@ def test_a_current_join_gets_a_versioned_crc32c_manifest(model):
         ours, worker = _serve(seed)
         with ours:
             send_frame(ours, _join(model))
-            ack = read_frame(ours, 0)
+            ack = read_frame(ours, wire.MAX_MANIFEST_BYTES)
+            manifest = msgspec.msgpack.decode(recv_exact(ours, ack["payload"]))  # the payload, not the header
         worker.join(10)
     finally:
         seed.stop()
-    assert ack["type"] == "JOIN_ACK" and ack["version"] == wire.WIRE_VERSION
+    assert ack["type"] == "JOIN_ACK" and ack["version"] == wire.WIRE_VERSION and "manifest" not in ack
+    assert set(ack) == {"type", "version", "identity", "total_bytes", "payload"}
     raw = (model / "model.safetensors").read_bytes()
-    for e, entry in zip(ack["manifest"], index.entries):
+    assert len(manifest) == len(index.entries) == 4
+    for e, entry in zip(manifest, index.entries):
         assert set(e) == {"name", "dtype", "shape", "nbytes", "crc32c"}
         assert e["crc32c"] == wire.crc32c(raw[entry.offset:entry.offset + entry.nbytes])
 
@@ -231,15 +235,14 @@ def test_a_dead_seed_mid_tensor_is_an_error_within_the_deadline(model):
     """The seed sends the JOIN_ACK and half a tensor, then goes silent (not closed): timeout_s bounds it."""
     index = CheckpointIndex.scan(model)
     source = MemorySource(index)
-    ack = {"type": "JOIN_ACK", "version": wire.WIRE_VERSION, "identity": index.identity,
-           "manifest": index.manifest(), "total_bytes": index.total_bytes}
     ours, theirs = socket.socketpair()
     stop = threading.Event()
 
     def run():
         with theirs:
             read_frame(theirs, 0)
-            send_frame(theirs, ack)
+            send_frame(theirs, {"type": "JOIN_ACK", "version": wire.WIRE_VERSION, "identity": index.identity,
+                                "total_bytes": index.total_bytes}, msgspec.msgpack.encode(index.manifest()))
             read_frame(theirs, 0)
             entry = index.entries[0]
             theirs.sendall(encode({"type": "TENSOR", "index": 0, "name": entry.name}, entry.nbytes))
@@ -452,3 +455,61 @@ def test_targets_of_the_same_dtype_and_shape_are_received_in_place(model, small_
     assert all(got[k].equal(want[k]) for k in want) and transfer.changed_in_place() == []
     targets["embed.weight"][3, 3] += 1  # what a model transforming it while loading would do
     assert transfer.changed_in_place() == ["embed.weight"]
+
+
+# ---- sizes and deadlines -------------------------------------------------------------------------------
+def test_a_manifest_over_the_frame_header_limit_travels_as_the_join_acks_payload(tmp_path, small_streams):
+    """A model of thousands of tensors: its manifest is far over a frame header's 64 KiB."""
+    from ascendserve.protocol.frames import MAX_HEADER
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Many"], "model_type": "many"}))
+    want = {f"model.layers.{i // 64}.mlp.experts.{i % 64}.down_proj.weight": torch.full((3,), float(i))
+            for i in range(4000)}
+    save_file(want, str(tmp_path / "model.safetensors"))
+    index = CheckpointIndex.scan(tmp_path)
+    assert len(msgspec.msgpack.encode(index.manifest())) > 4 * MAX_HEADER
+    seed = _seed(MemorySource(index))
+    try:
+        transfer = _open(seed, tmp_path, 2)
+        assert transfer.streams == 2  # the further stream got (and compared) the same manifest
+        got = dict(transfer)
+    finally:
+        seed.stop()
+    assert len(got) == 4000 and all(got[k].equal(v) for k, v in want.items())
+
+
+def test_a_manifest_over_the_wire_limit_is_a_clear_error_at_the_seed(model, monkeypatch):
+    from ascendserve.netloader.checkpoint import CheckpointError
+
+    monkeypatch.setattr(wire, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(CheckpointError, match=r"the manifest of 4 tensors takes \d+ bytes, over the wire's 100"):
+        _seed(MemorySource(CheckpointIndex.scan(model)))
+
+
+def test_memory_source_sends_under_a_deadline_on_silence_not_on_the_whole_tensor(tmp_path):
+    """A tensor that takes longer to send than the socket's timeout, to a joiner that keeps reading:
+    one sendall's timeout bounds the whole call; the seed sends in blocks, each with its own."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Big"]}))
+    big = torch.arange(8 << 20, dtype=torch.int32)  # 32 MiB
+    save_file({"big": big}, str(tmp_path / "model.safetensors"))
+    source = MemorySource(CheckpointIndex.scan(tmp_path))
+    entry = source.index.entries[0]
+    a, b = socket.socketpair()
+    got = bytearray()
+
+    def read_slowly():  # ~25 MB/s: the whole tensor takes over a second, any 1 MiB well under 0.5 s
+        while len(got) < entry.nbytes:
+            chunk = b.recv(256 << 10)
+            if not chunk:
+                return
+            got.extend(chunk)
+            time.sleep(0.01)
+    reader = threading.Thread(target=read_slowly, daemon=True)
+    with a, b:
+        a.settimeout(0.5)
+        reader.start()
+        start = time.monotonic()
+        source.send(a, entry)
+        assert time.monotonic() - start > 0.5  # longer than the timeout, and it did not time out
+        reader.join(10)
+    assert bytes(got) == big.numpy().tobytes()
