@@ -41,6 +41,7 @@ ALIGN = 64  # every tensor starts 64-byte aligned in the receive buffer (dtype v
 MAX_TENSORS = 1 << 20
 STREAMS = 4  # connections per transfer by default (netloader.streams)
 STREAM_MIN_BYTES = 32 << 20  # no stream for less: a connection and a handshake cost more than they save
+BLOCK = 4 << 20  # a stream receives a chunk in blocks of this, each counted as progress
 
 
 class NetLoadError(Exception):
@@ -87,7 +88,7 @@ class Progress:
     def __init__(self, total: int, label: str):
         self.total, self.label = total, label
         self.done = 0
-        self.start = time.monotonic()
+        self.start = self.last = time.monotonic()  # last: when bytes last arrived (the transfer's proof of life)
         self._last = 0.0
         self.tty = sys.stderr.isatty()
         self._lock = threading.Lock()  # streams report from their threads
@@ -95,7 +96,7 @@ class Progress:
     def update(self, n: int) -> None:
         with self._lock:
             self.done += n
-            now = time.monotonic()
+            now = self.last = time.monotonic()
             if not (self.tty and (now - self._last > 0.2 or self.done == self.total)):
                 return
             self._last = now
@@ -252,6 +253,9 @@ class Transfer:
                  payload_bytes: int, timeout_s: float, verify: bool, in_place: dict | None = None):
         self.address, self.socks, self.manifest, self.offsets = address, socks, manifest, offsets
         self.timeout_s, self.verify = timeout_s, verify
+        # every producer has socket deadlines; this bound on no bytes arriving (not on the time to the next
+        # tensor: a large one on a slow link takes long) only guards against a bug of ours
+        self.stall_s = timeout_s * 2 + 10
         self.payload_bytes = payload_bytes
         self.error: str | None = None
         self.buf = receive_buffer(total)
@@ -310,11 +314,15 @@ class Transfer:
 
     def _next_ready(self, end: bool = False):
         """The next verified tensor's index (None at the end); NetLoadError on any failure."""
-        try:  # every producer has socket deadlines; this bound only guards against a bug of ours
-            i = self._ready.get(timeout=self.timeout_s * 2 + 10)
-        except queue.Empty:
-            self._fail(f"seed {self.address}: no tensor for {self.timeout_s * 2 + 10:.0f} s")
-            i = _FAILED
+        while True:
+            try:
+                i = self._ready.get(timeout=min(self.stall_s, 5.0))
+                break
+            except queue.Empty:
+                if time.monotonic() - self._progress.last > self.stall_s:
+                    self._fail(f"seed {self.address}: no bytes and no tensor for {self.stall_s:g} s")
+                    i = _FAILED
+                    break
         if i == _FAILED or self.error is not None:
             raise NetLoadError(self.error)
         if i is None and not end:
@@ -330,14 +338,16 @@ class Transfer:
                         or head.get("offset", 0) != offset or head.get("payload", 0) != n:
                     raise NetLoadError(f"seed {self.address} sent {head.get('type')} {head.get('name')!r} "
                                        f"where tensor {i} ({e['name']}) from byte {offset} was due")
-                if n:
-                    recv_exact(sock, n, self._dest[i][offset:offset + n])
+                dest = self._dest[i]
+                for at in range(offset, offset + n, BLOCK):
+                    k = min(BLOCK, offset + n - at)
+                    recv_exact(sock, k, dest[at:at + k])
+                    self._progress.update(k)
                 with self._lock:
                     self._remaining[i] -= n
                     complete = self._remaining[i] == 0
                 if complete:
                     self._checks.put(i)  # checked on the checker thread while the streams go on
-                self._progress.update(n)
             if read_frame(sock, 0)["type"] != "DONE":
                 raise NetLoadError(f"seed {self.address} did not end with DONE")
         except NetLoadError as exc:

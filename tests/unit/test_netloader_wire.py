@@ -513,3 +513,33 @@ def test_memory_source_sends_under_a_deadline_on_silence_not_on_the_whole_tensor
         assert time.monotonic() - start > 0.5  # longer than the timeout, and it did not time out
         reader.join(10)
     assert bytes(got) == big.numpy().tobytes()
+
+
+class _Trickles(MemorySource):
+    """Sends one tensor in small pieces at a steady pace: slow, never silent."""
+
+    def __init__(self, index, name):
+        super().__init__(index)
+        self.name = name
+
+    def send(self, sock, entry, offset=0, count=None):
+        if entry.name != self.name:
+            return super().send(sock, entry, offset, count)
+        view = self.view(entry)[offset:offset + (entry.nbytes - offset if count is None else count)]
+        for at in range(0, len(view), 512):
+            sock.sendall(view[at:at + 512])
+            time.sleep(0.05)
+
+
+def test_a_tensor_arriving_slowly_but_steadily_is_no_stall(model, monkeypatch):
+    """The joiner's guard against a stuck transfer watches bytes arriving, not the time to the next tensor
+    (a large tensor over a slow link takes long): here one takes ~0.8 s to arrive, the guard is 0.3 s."""
+    monkeypatch.setattr(client, "BLOCK", 1024)  # progress every KiB
+    seed = _seed(_Trickles(CheckpointIndex.scan(model), "embed.weight"))  # 8 KiB, 512 bytes each 50 ms
+    try:
+        transfer = _open(seed, model, 1)
+        transfer.stall_s = 0.3
+        got = dict(transfer)
+    finally:
+        seed.stop()
+    assert got["embed.weight"].equal(load_file(str(model / "model.safetensors"))["embed.weight"])
