@@ -245,7 +245,7 @@ class Transfer:
     """One seed's tensors over `socks` (joined, not yet asked): iterate for (name, tensor), each verified.
 
     Threads: one per stream (receives its chunks into the buffer; a tensor whose last chunk lands
-    goes to the checker), one checker (CRC32C, the GIL released), and the iterating one, which
+    goes to the checker), one checker (CRC32C, a slice at a time: wire.crc32c), and the iterating one, which
     yields what the checker passed. The first failure anywhere shuts every socket down (so no
     thread waits past it) and is raised from the iteration. Every socket has `timeout_s`."""
 

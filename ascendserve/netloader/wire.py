@@ -1,11 +1,11 @@
 """What a NetLoader seed and joiner must agree on: the wire version and the checksum.
 
-Version 2 (this release): JOIN and JOIN_ACK carry `"version": 2`, and every
-manifest entry carries `"crc32c"`, the CRC32C (Castagnoli) of its bytes, from
-the `crc32c` package (SSE 4.2 / ARMv8 CRC instructions, several GB/s; it
-releases the GIL, so the joiner checks tensor i while tensor i+1 streams).
-Version 1 (earlier releases): no version field, and `"crc32"` (zlib's
-CRC-32, under 1 GB/s) in the manifest.
+Version 2 (this release): JOIN and JOIN_ACK carry `"version": 2`, the
+manifest is the JOIN_ACK's payload, and every manifest entry carries
+`"crc32c"`, the CRC32C (Castagnoli) of its bytes, from the `google-crc32c`
+package (Apache-2.0; Google's crc32c library: SSE 4.2 / ARMv8 CRC
+instructions, over 10 GB/s). Version 1 (earlier releases): no version
+field, and `"crc32"` (zlib's CRC-32, under 1 GB/s) in the manifest.
 
 Both sides refuse the other version rather than misread it: a seed answers
 a JOIN without a version, or with another one, with a JOIN_NACK naming the
@@ -16,41 +16,52 @@ a NetLoadError, so it tries the next seed and then the disk.
 
 from __future__ import annotations
 
-import structlog
-
 try:
-    import crc32c as _crc32c
+    import google_crc32c as _crc
 except ImportError:  # a broken install: said clearly where a checksum is needed, never a slow stand-in
-    _crc32c = None
+    _crc = None
 
-log = structlog.get_logger("ascendserve.netloader")
 WIRE_VERSION = 2
 CHECKSUM = "crc32c"  # the manifest's checksum field since version 2
-MISSING = ("the 'crc32c' package is not installed: NetLoader checksums every tensor with CRC32C "
-           "(pip install 'crc32c>=2.7'; ascendserve depends on it, so reinstalling ascendserve brings it)")
-_warned = False
+MISSING = ("the 'google-crc32c' package is not installed: NetLoader checksums every tensor with CRC32C "
+           "(pip install 'google-crc32c>=1.5'; ascendserve depends on it, so reinstalling ascendserve brings it)")
+NOT_C = ("the 'google-crc32c' package runs without its C extension (pure Python, far too slow for "
+         "weights): reinstall it from a wheel for this platform (pip install --force-reinstall google-crc32c)")
+# google_crc32c takes only buffers without a release hook (bytes, numpy arrays; not memoryview, bytearray
+# or mmap) and keeps the GIL for anything but bytes: a tensor is checked a slice at a time, numpy views
+# of its bytes (no copy), so the joiner's streams get the GIL between slices
+SLICE = 4 << 20
 
 
 class ChecksumUnavailable(RuntimeError):
-    """The crc32c package is missing."""
+    """The google-crc32c package is missing, or has no C extension."""
 
 
 def require_checksum() -> None:
-    """Raise ChecksumUnavailable without the package; warn once where it has no hardware support."""
-    global _warned
-    if _crc32c is None:
+    """Raise ChecksumUnavailable without the package or its C extension."""
+    if _crc is None:
         raise ChecksumUnavailable(MISSING)
-    if not _crc32c.hardware_based and not _warned:
-        _warned = True
-        log.warning("netloader: this CPU has no CRC32C instructions (SSE 4.2 / ARMv8 CRC); checksums run "
-                    "in software and may slow transfers")
+    if _crc.implementation != "c":
+        raise ChecksumUnavailable(NOT_C)
 
 
 def crc32c(data) -> int:
-    """CRC32C of any buffer (bytes, memoryview, numpy array); the GIL is released from 32 KiB on."""
-    if _crc32c is None:
-        raise ChecksumUnavailable(MISSING)
-    return _crc32c.crc32c(data)
+    """CRC32C of a contiguous buffer (bytes, memoryview, mmap, numpy array), without copying it where
+    numpy is installed (every engine); without numpy (an elastic-server installed on its own), a slice
+    at a time copied into bytes, which google_crc32c checks with the GIL released."""
+    require_checksum()
+    if isinstance(data, bytes):
+        return _crc.value(data)
+    view = memoryview(data).cast("B")
+    try:
+        import numpy
+    except ImportError:
+        numpy = None
+    crc = 0
+    for at in range(0, len(view), SLICE):
+        piece = view[at:at + SLICE]
+        crc = _crc.extend(crc, numpy.frombuffer(piece, dtype=numpy.uint8) if numpy else bytes(piece))
+    return crc
 
 
 def _spoken(version) -> str:

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import zlib
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -259,11 +260,58 @@ def test_a_dead_seed_mid_tensor_is_an_error_within_the_deadline(model):
 
 
 def test_without_the_crc32c_package_both_sides_say_so(model, monkeypatch):
-    monkeypatch.setattr(wire, "_crc32c", None)
-    with pytest.raises(CheckpointError, match="'crc32c' package is not installed"):
+    monkeypatch.setattr(wire, "_crc", None)
+    with pytest.raises(CheckpointError, match="'google-crc32c' package is not installed"):
         CheckpointIndex.scan(model)
-    with pytest.raises(NetLoadError, match=r"pip install 'crc32c>=2\.7'"):
+    with pytest.raises(NetLoadError, match=r"pip install 'google-crc32c>=1\.5'"):
         fetch("127.0.0.1:9", TOKEN, identity(model), JOIN_INFO, 1.0)  # before any connection
+
+
+def test_a_crc32c_package_without_its_c_extension_is_refused_not_used(model, monkeypatch):
+    """google-crc32c falls back to pure Python without its C extension: hours for a model's weights."""
+    import google_crc32c
+
+    monkeypatch.setattr(google_crc32c, "implementation", "python")
+    with pytest.raises(CheckpointError, match="without its C extension"):
+        CheckpointIndex.scan(model)
+    with pytest.raises(NetLoadError, match="without its C extension"):
+        fetch("127.0.0.1:9", TOKEN, identity(model), JOIN_INFO, 1.0)
+
+
+def test_the_checksum_takes_every_buffer_a_tensor_comes_in_without_copying_it(monkeypatch):
+    """google_crc32c itself refuses memoryviews, bytearrays and mmaps; wire.crc32c hands it numpy views
+    of a slice at a time (of a tensor's storage, a receive buffer, a checkpoint file's mapping)."""
+    import mmap
+
+    import google_crc32c
+    import numpy
+
+    data = bytes(range(256)) * 4099  # over a megabyte, not a multiple of anything
+    want = google_crc32c.value(data)
+    with pytest.raises(TypeError):
+        google_crc32c.value(memoryview(data))
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    handed: list = []
+    monkeypatch.setattr(wire, "SLICE", 100_000)
+    monkeypatch.setattr(wire, "_crc", SimpleNamespace(
+        implementation="c", value=google_crc32c.value,
+        extend=lambda crc, piece: handed.append(piece) or google_crc32c.extend(crc, piece)))
+
+    def check(buf) -> list:
+        handed.clear()
+        assert wire.crc32c(buf) == want, type(buf)
+        assert len(handed) == -(-len(data) // 100_000) and all(isinstance(p, numpy.ndarray) for p in handed)
+        addresses = [p.ctypes.data for p in handed]
+        handed.clear()
+        return addresses
+
+    for buf in (memoryview(data), bytearray(data), tensor.numpy()):
+        check(buf)
+    assert check(memoryview(tensor.numpy()))[0] == tensor.data_ptr()  # the tensor's own memory, no copy
+    with mmap.mmap(-1, len(data)) as m:
+        m.write(data)
+        check(m)
+    assert wire.crc32c(b"") == 0 and wire.crc32c(memoryview(b"")) == 0
 
 
 def test_recv_exact_reads_into_the_view_it_is_given():
