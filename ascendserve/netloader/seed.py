@@ -107,8 +107,13 @@ class Seed:
         while not self._stop.is_set():
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set():  # stop() closed the listener
+                    return
+                # out of descriptors (EMFILE), a connection aborted before accept...: not the end of serving
+                log.warning("netloader seed: accept failed; retrying", error=f"{type(exc).__name__}: {exc}")
+                self._stop.wait(0.1)
+                continue
             if not self._connections.acquire(blocking=False):  # a flood of idle sockets costs no threads
                 self._count("refused")
                 log.warning("netloader: too many connections; refusing", peer=peer[0])
@@ -118,7 +123,14 @@ class Seed:
                                       daemon=True)
             with self._running_lock:
                 self._workers.add(worker)
-            worker.start()
+            try:
+                worker.start()
+            except RuntimeError as exc:  # no thread to be had: this connection only
+                log.warning("netloader: cannot start a connection thread; refusing", error=str(exc))
+                with self._running_lock:
+                    self._workers.discard(worker)
+                self._connections.release()
+                conn.close()
 
     def _serve_counted(self, conn: socket.socket, peer) -> None:
         try:

@@ -223,3 +223,34 @@ def test_stop_ends_running_transfers_and_waits_for_their_threads(tmp_path, kind)
             assert not senders[0].is_alive()
     finally:
         seed.stop()
+
+
+def test_the_seed_keeps_accepting_after_an_accept_error(text_model, index):
+    """accept() fails now and then (EMFILE when out of descriptors, ECONNABORTED): the seed's accept
+    loop ended on any OSError, and the seed stopped serving for good with no word in its log."""
+    import errno
+
+    class Flaky:
+        def __init__(self, listener):
+            self.listener, self.failures = listener, 2
+
+        def accept(self):
+            if self.failures:
+                self.failures -= 1
+                self.listener.accept()[0].close()  # the connection it was about to hand over
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.listener.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.listener, name)
+
+    seed = Seed(MemorySource(index), TOKEN, "127.0.0.1", 0)
+    seed._listener = Flaky(seed._listener)
+    seed.start()
+    try:
+        for _ in range(2):  # each closed where accept() failed
+            with pytest.raises(NetLoadError):
+                _fetch(seed, text_model, timeout_s=5.0)
+        assert len(_fetch(seed, text_model)) == len(index.entries) and seed.served == 1
+    finally:
+        seed.stop()
