@@ -109,12 +109,27 @@ class _CorruptsLast(MemorySource):
         super().send(sock, entry, offset, count)
 
 
+class _DiesInLast(_CorruptsLast):
+    """A seed whose process dies part way through its last tensor (a few bytes, then the connection
+    drops), once `go` is set."""
+
+    def send(self, sock, entry, offset=0, count=None):
+        if entry is not self.last:
+            return super().send(sock, entry, offset, count)
+        self.go.wait(10)
+        sock.sendall(self.view(entry)[offset:offset + 16])
+        sock.shutdown(socket.SHUT_RDWR)
+        raise ConnectionError("the seed died")
+
+
 @pytest.fixture
 def seeds(model_dir, monkeypatch):
-    """Seeds by name ("good", "bad": corrupts its last tensor), reached over socketpairs (transport 'unit')."""
+    """Seeds by name ("good"; "bad": corrupts its last tensor; "dead": dies in its last tensor), reached
+    over socketpairs (transport 'unit')."""
     index = CheckpointIndex.scan(model_dir)
     made = {"good": Seed(MemorySource(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5),
-            "bad": Seed(_CorruptsLast(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5)}
+            "bad": Seed(_CorruptsLast(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5),
+            "dead": Seed(_DiesInLast(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5)}
 
     def transport(address, token, own, rank, timeout_s, max_bytes=None, *, streams=1, targets=None):
         seed = made[address.split(":")[0]]
@@ -127,6 +142,7 @@ def seeds(model_dir, monkeypatch):
                              targets=targets)
 
     made["bad"].source.go.set()  # a test that wants the last tensor held back clears it
+    made["dead"].source.go.set()
     monkeypatch.setitem(netloader.TRANSPORTS, "unit", transport)
     monkeypatch.setenv(netloader.TOKEN_ENV, TOKEN)
     yield made
@@ -135,12 +151,12 @@ def seeds(model_dir, monkeypatch):
 
 
 def _load(model_dir, sources: list[str], fallback: str = "disk", on_tensor=None, kind=Model,
-          quantization=None) -> Model:
+          quantization=None, **more) -> Model:
     from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
 
     want = load_file(str(model_dir / "model.safetensors"))
     model = kind(want, on_tensor)
-    settings = {"sources": sources, "transport": "unit", "fallback": fallback, "timeout_s": 5.0}
+    settings = {"sources": sources, "transport": "unit", "fallback": fallback, "timeout_s": 5.0, **more}
     loader = netloader.NetLoader(LoadConfig(load_format="netloader",
                                             model_loader_extra_config={"netloader": settings}))
     config = SimpleNamespace(model=str(model_dir), revision=None, quantization=quantization, is_moe=False,
@@ -172,20 +188,34 @@ def test_quantized_models_are_not_received_in_place(model_dir, seeds):
     assert model.in_place == [] and len(model.calls) == 1
 
 
-def test_a_seed_failing_mid_transfer_means_the_next_seed_loads_every_weight(model_dir, seeds):
-    go = seeds["bad"].source.go
+FAILING = [("bad", "checksum mismatch in d.weight"), ("dead", "closed|reset|Connection")]
+
+
+@pytest.mark.parametrize("failing, why", FAILING)
+def test_a_seed_failing_mid_transfer_means_the_next_seed_loads_every_weight(model_dir, seeds, failing, why):
+    go = seeds[failing].source.go
     go.clear()
-    model = _load(model_dir, ["bad:1", "good:1"], on_tensor=lambda seen: len(seen) == 3 and go.set())
+    model = _load(model_dir, [f"{failing}:1", "good:1"], on_tensor=lambda seen: len(seen) == 3 and go.set())
     first, second = model.calls
     assert len(first) == 3  # the bad seed's first tensors were in the model when its last one failed
     assert sorted(second) == ["a.weight", "b.weight", "c.bias", "d.weight"]  # all again, from the good one
 
 
-def test_a_seed_failing_mid_transfer_with_no_other_means_the_disk(model_dir, seeds):
-    model = _load(model_dir, ["bad:1"])
+@pytest.mark.parametrize("failing, why", FAILING)
+def test_a_seed_failing_mid_transfer_with_no_other_means_the_disk(model_dir, seeds, failing, why):
+    model = _load(model_dir, [f"{failing}:1"])
     assert len(model.calls) == 2 and len(model.calls[1]) == 4  # the second: vLLM's disk iterator
+    assert seeds["good"].served == 0
 
 
-def test_a_seed_failing_mid_transfer_with_fallback_fail_stops(model_dir, seeds):
-    with pytest.raises(RuntimeError, match="checksum mismatch in d.weight.*the disk fallback is off"):
-        _load(model_dir, ["bad:1"], fallback="fail")
+@pytest.mark.parametrize("failing, why", FAILING)
+def test_a_seed_failing_mid_transfer_with_fallback_fail_stops(model_dir, seeds, failing, why):
+    with pytest.raises(RuntimeError, match=f"({why}).*the disk fallback is off"):
+        _load(model_dir, [f"{failing}:1"], fallback="fail")
+
+
+def test_malformed_etcd_settings_are_a_reason_to_load_from_disk(model_dir, seeds):
+    model = _load(model_dir, ["auto"], etcd={"endpoints": "http://e:2379"})  # a string, not a list
+    assert len(model.calls) == 1 and model.in_place == []  # from disk, with no seed asked
+    with pytest.raises(RuntimeError, match="netloader's etcd settings: etcd endpoints must be a list"):
+        _load(model_dir, ["auto"], fallback="fail", etcd={"endpoints": "http://e:2379"})
