@@ -132,6 +132,9 @@ class NetLoaderConfig(_Section):
     sources: list[str] = []
     fallback: Literal["disk", "fail"] = "disk"  # when no seed delivers: load from disk, or stop
     timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0  # connect / silence deadline per seed
+    # TCP connections a joining instance splits one transfer over (its TP/PP ranks share them): one
+    # socket copies at one core's pace (README "NetLoader performance")
+    streams: Annotated[int, Meta(ge=1, le=16)] = 4
     max_clients: Annotated[int, Meta(ge=1, le=1024)] = 16  # transfers a seed runs at once
 
 

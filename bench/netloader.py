@@ -5,10 +5,13 @@
 One random-weight Qwen2 checkpoint of about 1.1 GB (fp32, built once under
 bench/results/). Side by side, in one run:
 1. one joiner: the raw loopback socket (one process sends the bytes with
-   sendall, another receives them with recv_into: the floor), NetLoader from
-   an elastic-server (weights in its RAM) and from a seed that serves the
-   files through the page cache (an engine's own seed). GB/s and the ratio to
-   the raw socket.
+   sendall, another receives them with recv_into into a buffer it zeroed
+   before the clock starts: the floor), the same over two sockets (whether
+   one socket fills the link) and over two into a buffer allocated inside
+   the clock (untouched pages, as a joiner's: their page faults), NetLoader from an elastic-server (weights in
+   its RAM; its default streams, and one stream) and from a seed that serves
+   the files through the page cache (an engine's own seed). GB/s and the
+   ratio to the raw socket.
 2. several joiners at once from one elastic-server: aggregate GB/s.
 3. time to ready (/v1/models answers) of `ascendserve --role pd`: weights by
    NetLoader from the elastic-server, from disk with the page cache warm,
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from ascendserve.netloader.client import STREAMS
 from bench._report import RESULTS, save, table
 from tests.procs import ENGINE_ARGS, ENGINE_ENV, PYTHON, REPO, Proc, free_port
 
@@ -42,6 +46,32 @@ while True:
     c, _ = srv.accept()
     with c: c.sendall(buf)
 """
+RAW_SPLIT_SENDER = """
+import socket, sys, threading
+n = int(sys.argv[1]); buf = bytearray(n); view = memoryview(buf)
+srv = socket.create_server(("127.0.0.1", 0), backlog=16); print(srv.getsockname()[1], flush=True)
+def serve(c):
+    with c:
+        part, parts = c.recv(2)
+        c.sendall(view[n * part // parts:n * (part + 1) // parts])
+while True:
+    c, _ = srv.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+RAW_SPLIT_RECEIVER = """
+import mmap, socket, sys, threading, time
+n, port, parts, fresh = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["fresh"]
+t = time.perf_counter()  # a fresh buffer: untouched pages inside the clock, as a joiner has
+view = memoryview(mmap.mmap(-1, n) if fresh else bytearray(n))
+def one(part):
+    lo, hi = n * part // parts, n * (part + 1) // parts
+    s = socket.create_connection(("127.0.0.1", port)); s.sendall(bytes([part, parts])); got = lo
+    while got < hi:
+        k = s.recv_into(view[got:hi]); got += k
+        if k == 0: raise SystemExit("short")
+t = t if fresh else time.perf_counter(); threads = [threading.Thread(target=one, args=(p,)) for p in range(parts)]
+[x.start() for x in threads]; [x.join() for x in threads]
+print(time.perf_counter() - t)
+"""
 RAW_RECEIVER = """
 import socket, sys, time
 n, port = int(sys.argv[1]), int(sys.argv[2]); buf = bytearray(n); view = memoryview(buf)
@@ -55,9 +85,11 @@ FETCHER = """
 import sys, time
 from ascendserve.netloader.checkpoint import identity
 from ascendserve.netloader.client import fetch
-model, address, verify = sys.argv[1], sys.argv[2], sys.argv[3:] != ["--no-verify"]
+model, address, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+verify = "--no-verify" not in flags
+streams = {"streams": int(flags[flags.index("--streams") + 1])} if "--streams" in flags else {}
 import torch  # imported before the clock starts, as in a vLLM worker
-t = time.perf_counter(); out = fetch(address, "%s", identity(model), {}, 60.0, verify=verify)
+t = time.perf_counter(); out = fetch(address, "%s", identity(model), {}, 60.0, verify=verify, **streams)
 print(time.perf_counter() - t)
 """ % TOKEN
 MAPPED_SEED = """
@@ -105,23 +137,33 @@ def _elastic(model: Path, log_dir: Path) -> Proc:
 
 def transfer(model: Path, total: int, elastic: Proc, repeat: int, joiners: int) -> tuple[list, list]:
     sender, raw_port = _spawn(RAW_SENDER, str(total))
+    split, split_port = _spawn(RAW_SPLIT_SENDER, str(total))
     mapped, mapped_port = _spawn(MAPPED_SEED, str(model))
+    runs = {  # interleaved, best of `repeat`: the floor and ours see the same noise
+        "raw": (RAW_RECEIVER, str(total), str(raw_port)),
+        "raw2": (RAW_SPLIT_RECEIVER, str(total), str(split_port), "2"),
+        "raw2fresh": (RAW_SPLIT_RECEIVER, str(total), str(split_port), "2", "fresh"),
+        "elastic": (FETCHER, str(model), elastic.seed),
+        "elastic1": (FETCHER, str(model), elastic.seed, "--streams", "1"),
+        "mapped": (FETCHER, str(model), f"127.0.0.1:{mapped_port}"),
+        "unverified": (FETCHER, str(model), elastic.seed, "--no-verify"),
+    }
     try:
-        best = {"raw": 1e9, "elastic": 1e9, "mapped": 1e9, "unverified": 1e9}
-        for _ in range(repeat):  # interleaved, best of `repeat`: the floor and ours see the same noise
-            best["raw"] = min(best["raw"], _run(RAW_RECEIVER, str(total), str(raw_port)))
-            best["elastic"] = min(best["elastic"], _run(FETCHER, str(model), elastic.seed))
-            best["mapped"] = min(best["mapped"], _run(FETCHER, str(model), f"127.0.0.1:{mapped_port}"))
-            best["unverified"] = min(best["unverified"], _run(FETCHER, str(model), elastic.seed, "--no-verify"))
+        best = {k: 1e9 for k in runs}
+        for _ in range(repeat):
+            for k, args in runs.items():
+                best[k] = min(best[k], _run(*args))
     finally:
-        for p in (sender, mapped):
+        for p in (sender, split, mapped):
             os.killpg(p.pid, 9)
     gbs = {k: total / v / 1e9 for k, v in best.items()}
-    rows = [["raw loopback socket (floor)", round(best["raw"], 3), gbs["raw"], 1.0],
-            ["netloader, elastic-server (RAM)", round(best["elastic"], 3), gbs["elastic"], gbs["elastic"] / gbs["raw"]],
-            ["netloader, seed from page cache", round(best["mapped"], 3), gbs["mapped"], gbs["mapped"] / gbs["raw"]],
-            ["netloader, elastic-server, CRC checks off (bench only)", round(best["unverified"], 3),
-             gbs["unverified"], gbs["unverified"] / gbs["raw"]]]
+    names = {"raw": "raw loopback socket (floor)", "raw2": "raw loopback, 2 sockets",
+             "raw2fresh": "raw loopback, 2 sockets, into a fresh buffer",
+             "elastic": f"netloader, elastic-server (RAM), {STREAMS} streams",
+             "elastic1": "netloader, elastic-server (RAM), 1 stream",
+             "mapped": f"netloader, seed from page cache, {STREAMS} streams",
+             "unverified": f"netloader, elastic-server, {STREAMS} streams, CRC checks off (bench only)"}
+    rows = [[names[k], round(best[k], 3), gbs[k], gbs[k] / gbs["raw"]] for k in runs]
     start = time.perf_counter()
     procs = [subprocess.Popen([PYTHON, "-c", FETCHER, str(model), elastic.seed], stdout=subprocess.PIPE, text=True,
                               env=ENV) for _ in range(joiners)]

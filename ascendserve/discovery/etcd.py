@@ -138,6 +138,24 @@ class EtcdSettings:
                 "username": self.username, "tls_ca": self.tls_ca, "tls_cert": self.tls_cert,
                 "tls_key": self.tls_key}
 
+    @classmethod
+    def from_dict(cls, fields: dict, password: str = "") -> "EtcdSettings":
+        """What to_dict wrote (a child process's settings), with the password from the environment.
+        ValueError on a malformed field."""
+        if not isinstance(fields, dict):
+            raise ValueError(f"etcd settings must be a map, got {type(fields).__name__}")
+        endpoints = fields.get("endpoints", ())
+        if isinstance(endpoints, str) or not all(isinstance(e, str) for e in endpoints):
+            raise ValueError(f"etcd endpoints must be a list of URLs, got {str(endpoints)[:80]!r}")
+        text = {k: fields.get(k, "") for k in ("username", "tls_ca", "tls_cert", "tls_key")}
+        if not all(isinstance(v, str) for v in text.values()) or not isinstance(fields.get("cluster", ""), str):
+            raise ValueError("etcd settings: cluster, username and the TLS paths must be strings")
+        ttl = fields.get("lease_ttl_s", 10)
+        if type(ttl) is not int:
+            raise ValueError(f"etcd lease_ttl_s must be an integer, got {str(ttl)[:40]!r}")
+        return cls(tuple(e.rstrip("/") for e in endpoints), fields.get("cluster") or "default", ttl,
+                   text["username"], password, text["tls_ca"], text["tls_cert"], text["tls_key"])
+
 
 def auth_expired(status: int, message: str) -> bool:
     return status == 401 or "auth token" in message or "invalid auth" in message

@@ -114,7 +114,8 @@ def role_args(config: Config) -> list[str]:
         args += ["--kv-transfer-config", _json(kv_transfer_config(config, "kv_consumer"))]
     if config.netloader.sources:
         settings = {"sources": config.netloader.sources, "fallback": config.netloader.fallback,
-                    "timeout_s": config.netloader.timeout_s, "metaserver_url": config.cluster.metaserver_url,
+                    "timeout_s": config.netloader.timeout_s, "streams": config.netloader.streams,
+                    "metaserver_url": config.cluster.metaserver_url,
                     "tls_ca": config.cluster.tls_ca}
         if config.registry.backend == "etcd":  # seeds found in etcd; its password from the environment
             settings["etcd"] = EtcdSettings.from_config(config).to_dict()

@@ -5,8 +5,9 @@
     source = MemorySource(index)                   # bytes read into RAM once (elastic-server)
 
 The manifest a seed sends is this index: tensor name, dtype, shape, byte
-size and a CRC-32 of the bytes, plus the model's identity (a digest of its
-config.json), so a joiner can refuse another model before any data moves.
+size and the CRC32C of the bytes (wire.py), plus the model's identity (a
+digest of its config.json), so a joiner can refuse another model before any
+data moves.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import json
 import mmap
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from ascendserve.netloader import wire
+from ascendserve.protocol.frames import send_blocks
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 # safetensors dtype -> bytes per element (what a receiver needs to size a buffer)
@@ -36,7 +39,7 @@ class TensorEntry:
     dtype: str  # safetensors spelling: F32, BF16, ...
     shape: tuple[int, ...]
     nbytes: int
-    crc32: int
+    crc32c: int
     file: str
     offset: int  # of the first byte in `file`
 
@@ -82,6 +85,10 @@ class CheckpointIndex:
     @classmethod
     def scan(cls, model_dir: str | os.PathLike) -> "CheckpointIndex":
         root = Path(model_dir)
+        try:
+            wire.require_checksum()
+        except wire.ChecksumUnavailable as exc:
+            raise CheckpointError(str(exc)) from None
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{root}: no *.safetensors weights to serve")
@@ -101,12 +108,13 @@ class CheckpointIndex:
                         raise CheckpointError(f"{path}: bad entry {name!r}") from None
                     if dtype not in DTYPE_BYTES or not 0 <= begin <= end or data_start + end > size:
                         raise CheckpointError(f"{path}: entry {name!r} out of bounds or of unknown dtype {dtype}")
-                    crc = zlib.crc32(memoryview(m)[data_start + begin:data_start + end])
+                    crc = wire.crc32c(memoryview(m)[data_start + begin:data_start + end])
                     entries.append(TensorEntry(name, dtype, shape, end - begin, crc, str(path), data_start + begin))
         return cls(str(root), entries, identity(root))
 
     def manifest(self) -> list[dict]:
-        return [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes, "crc32": e.crc32}
+        return [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes,
+                 wire.CHECKSUM: e.crc32c}
                 for e in self.entries]
 
 
@@ -117,13 +125,19 @@ class MappedSource:
         self.index = index
         self._files = {path: open(path, "rb") for path in {e.file for e in index.entries}}
 
-    def send(self, sock, entry: TensorEntry) -> None:
+    def send(self, sock, entry: TensorEntry, offset: int = 0, count: int | None = None) -> None:
+        """`count` bytes of the tensor from `offset` (all of it by default), as do MemorySource's."""
+        count = entry.nbytes - offset if count is None else count
         # socket.sendfile: the kernel copies from the page cache, and it honours the socket's
         # timeout (a bare os.sendfile on a socket with a timeout fails with EAGAIN once the
-        # send buffer is full)
-        sent = sock.sendfile(self._files[entry.file], offset=entry.offset, count=entry.nbytes)
-        if sent != entry.nbytes:
-            raise ConnectionError(f"sent {sent} of {entry.nbytes} bytes of {entry.name} (file truncated?)")
+        # send buffer is full). It reads at an explicit offset, so streams may share the file.
+        # Nothing to send sends nothing (sendfile refuses count=0 with a ValueError, which
+        # ended the connection's thread)
+        if not count:
+            return
+        sent = sock.sendfile(self._files[entry.file], offset=entry.offset + offset, count=count)
+        if sent != count:
+            raise ConnectionError(f"sent {sent} of {count} bytes of {entry.name} (file truncated?)")
 
     def close(self) -> None:
         for f in self._files.values():
@@ -145,8 +159,9 @@ class MemorySource:
     def view(self, entry: TensorEntry) -> memoryview:
         return self._bytes[entry.file][entry.offset:entry.offset + entry.nbytes]
 
-    def send(self, sock, entry: TensorEntry) -> None:
-        sock.sendall(self.view(entry))
+    def send(self, sock, entry: TensorEntry, offset: int = 0, count: int | None = None) -> None:
+        view = self.view(entry)
+        send_blocks(sock, view[offset:] if count is None else view[offset:offset + count])
 
     def close(self) -> None:
         self._bytes.clear()

@@ -1,12 +1,22 @@
-"""The joining side of NetLoader: fetch a model's weights from one seed, verified.
+"""The joining side of NetLoader: a model's weights from one seed, verified as they arrive.
 
-`fetch()` checks the seed's answer before any data moves (the token was
-accepted, the manifest is well formed, it describes this model, the host has
-memory for it), receives every tensor into one host buffer, verifies each
-CRC-32 on a second thread while the next tensor arrives, and only then
-returns tensors. A seed that dies, stalls past `timeout_s`, lies about a
-byte or serves another model raises NetLoadError; nothing has touched the
-model's parameters by then, so the caller's disk fallback starts clean.
+`open_transfer()` checks the seed's answer before any data moves (the token
+and wire version were accepted, the manifest is well formed, it describes
+this model, the host has memory for it) and returns a Transfer. Iterating
+it receives the tensors over up to `streams` TCP connections at once (one
+socket copies at one core's pace; on loopback two carry 1.8x what one does),
+each a contiguous byte range of the checkpoint (wire.plan), into one host
+buffer, or straight into a target tensor (the model's parameter) where one
+of the same name, dtype and shape is given; a second thread checks the
+CRC32C of every tensor as it completes, and the Transfer yields each tensor
+once it is verified, while the rest stream. So the model's weight loading
+copies tensor i into its parameters while tensor i+1 arrives.
+
+A seed that dies, stalls past `timeout_s` on any stream, lies about a byte or
+serves another model raises NetLoadError: from open_transfer() before any
+data, or from the iteration, after which some parameters may hold bytes of
+this seed, so the caller (loader.py) loads every parameter again (from the
+next seed, or the disk). `fetch()` collects a whole transfer into a list.
 """
 
 from __future__ import annotations
@@ -17,16 +27,21 @@ import socket
 import sys
 import threading
 import time
-import zlib
 
+import msgspec
 import structlog
 
+from ascendserve.netloader import wire
 from ascendserve.netloader.checkpoint import DTYPE_BYTES
 from ascendserve.protocol.frames import FrameError, read_frame, recv_exact, send_frame
+from ascendserve.protocol.wire import decode_msgpack
 
 log = structlog.get_logger("ascendserve.netloader")
 ALIGN = 64  # every tensor starts 64-byte aligned in the receive buffer (dtype views need it)
 MAX_TENSORS = 1 << 20
+STREAMS = 4  # connections per transfer by default (netloader.streams)
+STREAM_MIN_BYTES = 32 << 20  # no stream for less: a connection and a handshake cost more than they save
+BLOCK = 4 << 20  # a stream receives a chunk in blocks of this, each counted as progress
 
 
 class NetLoadError(Exception):
@@ -40,8 +55,12 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _check_manifest(ack: dict, expect_identity: dict) -> list[dict]:
-    identity, manifest = ack.get("identity"), ack.get("manifest")
+def _check_manifest(ack: dict, raw_manifest: bytes, expect_identity: dict) -> list[dict]:
+    try:
+        manifest = decode_msgpack(raw_manifest)
+    except msgspec.DecodeError as exc:
+        raise NetLoadError(f"malformed manifest: {exc}") from None
+    identity = ack.get("identity")
     if not isinstance(identity, dict) or not isinstance(manifest, list) or len(manifest) > MAX_TENSORS:
         raise NetLoadError("malformed JOIN_ACK")
     if identity.get("config_sha256") != expect_identity["config_sha256"]:
@@ -53,7 +72,8 @@ def _check_manifest(ack: dict, expect_identity: dict) -> list[dict]:
         ok = isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str) \
             and e["dtype"] in DTYPE_BYTES \
             and isinstance(e.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in e["shape"]) \
-            and isinstance(e.get("crc32"), int) and e.get("nbytes") == math.prod(e["shape"]) * DTYPE_BYTES[e["dtype"]]
+            and isinstance(e.get(wire.CHECKSUM), int) \
+            and e.get("nbytes") == math.prod(e["shape"]) * DTYPE_BYTES[e["dtype"]]
         if not ok or e["name"] in names:
             raise NetLoadError(f"malformed manifest entry {str(e)[:200]}")
         names.add(e["name"])
@@ -68,14 +88,17 @@ class Progress:
     def __init__(self, total: int, label: str):
         self.total, self.label = total, label
         self.done = 0
-        self.start = time.monotonic()
+        self.start = self.last = time.monotonic()  # last: when bytes last arrived (the transfer's proof of life)
         self._last = 0.0
         self.tty = sys.stderr.isatty()
+        self._lock = threading.Lock()  # streams report from their threads
 
     def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.tty and (now - self._last > 0.2 or self.done == self.total):
+        with self._lock:
+            self.done += n
+            now = self.last = time.monotonic()
+            if not (self.tty and (now - self._last > 0.2 or self.done == self.total)):
+                return
             self._last = now
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / rate if rate else 0.0
@@ -94,78 +117,289 @@ class Progress:
 
 
 def fetch(address: str, token: str, expect_identity: dict, join_info: dict, timeout_s: float,
-          max_bytes: int | None = None, verify: bool = True):
-    """[(name, torch.Tensor)] of every tensor the seed at `address` serves, verified.
+          max_bytes: int | None = None, verify: bool = True, streams: int = STREAMS):
+    """[(name, torch.Tensor)] of every tensor the seed at `address` serves, verified, in manifest order.
 
-    `verify=False` skips the CRC-32 checks: only bench/netloader.py uses it, to show
+    `verify=False` skips the CRC32C checks: only bench/netloader.py uses it, to show
     what the checks cost; the loader always verifies."""
-    import numpy as np
+    transfer = open_transfer(address, token, expect_identity, join_info, timeout_s, max_bytes, verify, streams)
+    got = dict(transfer)
+    return [(e["name"], got[e["name"]]) for e in transfer.manifest]
+
+
+def receive(sock: socket.socket, address: str, token: str, expect_identity: dict, join_info: dict,
+            timeout_s: float, max_bytes: int | None = None, verify: bool = True):
+    """fetch() over one connected socket (which the caller also closes)."""
+    transfer = open_transfer(address, token, expect_identity, join_info, timeout_s, max_bytes, verify, 1,
+                             connect=lambda: sock)
+    got = dict(transfer)
+    return [(e["name"], got[e["name"]]) for e in transfer.manifest]
+
+
+def open_transfer(address: str, token: str, expect_identity: dict, join_info: dict, timeout_s: float,
+                  max_bytes: int | None = None, verify: bool = True, streams: int = STREAMS,
+                  connect=None, targets: dict | None = None) -> "Transfer":
+    """JOIN the seed on one connection, check its answer, JOIN on the further streams; NetLoadError else.
+
+    A further stream the seed refuses (busy) or that fails to connect just leaves fewer streams.
+    `targets` (name -> tensor, e.g. the model's parameters): a tensor of the manifest whose target
+    has its dtype and shape and is contiguous in host memory is received straight into it (and
+    yielded as that very tensor), not into the host buffer."""
+    try:
+        wire.require_checksum()
+    except wire.ChecksumUnavailable as exc:
+        raise NetLoadError(str(exc)) from None
+    if connect is None:
+        host, port = parse_address(address)
+
+        def connect():
+            try:
+                return socket.create_connection((host, port), timeout=timeout_s)
+            except OSError as exc:
+                raise NetLoadError(f"seed {address} unreachable: {exc}") from None
+    socks = [connect()]
+    try:
+        ack, raw_manifest = _join(socks[0], address, token, expect_identity, join_info, timeout_s, 0)
+        manifest = _check_manifest(ack, raw_manifest, expect_identity)
+        in_place = _in_place(manifest, targets or {})
+        offsets, total = [], 0
+        for i, e in enumerate(manifest):
+            offsets.append(total)
+            if i not in in_place:
+                total += -(-e["nbytes"] // ALIGN) * ALIGN
+        if max_bytes is not None and total > max_bytes:
+            raise NetLoadError(f"weights of {total / 2**30:.2f} GiB exceed the {max_bytes / 2**30:.2f} GiB "
+                               "this host can hold")
+        wanted = max(1, min(int(streams), wire.MAX_STREAMS, -(-ack["total_bytes"] // STREAM_MIN_BYTES)))
+        while len(socks) < wanted:
+            try:
+                sock = connect()
+            except NetLoadError as exc:
+                log.info("netloader: fewer streams", seed=address, streams=len(socks), reason=str(exc))
+                break
+            socks.append(sock)
+            try:
+                other, other_manifest = _join(sock, address, token, expect_identity, join_info, timeout_s,
+                                              len(socks) - 1)
+                if (other.get("identity"), other_manifest) != (ack["identity"], raw_manifest):
+                    raise NetLoadError(f"seed {address} answered another manifest on a further stream")
+            except NetLoadError as exc:
+                log.info("netloader: fewer streams", seed=address, streams=len(socks) - 1, reason=str(exc))
+                socks.pop().close()
+                break
+        return Transfer(address, socks, manifest, offsets, total, ack["total_bytes"], timeout_s, verify, in_place)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+
+
+def _join(sock: socket.socket, address: str, token: str, expect_identity: dict, join_info: dict,
+          timeout_s: float, stream: int) -> tuple[dict, bytes]:
+    """JOIN on a connected socket; the seed's JOIN_ACK of our wire version and its manifest's bytes
+    (the payload, not yet decoded), or NetLoadError."""
+    sock.settimeout(timeout_s)
+    try:
+        send_frame(sock, {"type": "JOIN", "token": token, "identity": expect_identity, **join_info,
+                          "stream": stream, "version": wire.WIRE_VERSION})
+        ack = read_frame(sock, wire.MAX_MANIFEST_BYTES)
+        if ack["type"] == "JOIN_NACK":
+            raise NetLoadError(f"seed {address} refused: {str(ack.get('reason'))[:500]}")
+        if ack["type"] != "JOIN_ACK":
+            raise NetLoadError(f"seed {address} answered {ack['type']} to JOIN")
+        if (why := wire.ack_refusal(ack)) is not None:  # before reading what another version sent
+            raise NetLoadError(f"seed {address}: {why}")
+        return ack, recv_exact(sock, ack.get("payload", 0))
+    except (FrameError, ConnectionError, OSError) as exc:  # socket.timeout is an OSError
+        raise NetLoadError(f"seed {address}: {type(exc).__name__}: {exc}") from None
+
+
+def _in_place(manifest: list[dict], targets: dict) -> dict:
+    """{manifest index: target tensor} of the tensors that can be received straight into their target."""
+    if not targets:
+        return {}
     import torch
 
-    host, port = parse_address(address)
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as exc:
-        raise NetLoadError(f"seed {address} unreachable: {exc}") from None
-    with sock:
-        sock.settimeout(timeout_s)
+    found = {}
+    for i, e in enumerate(manifest):
+        t = targets.get(e["name"])
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() \
+                and t.dtype == getattr(torch, TORCH_DTYPES[e["dtype"]]) and list(t.shape) == e["shape"] \
+                and t.untyped_storage().nbytes() >= t.storage_offset() * t.element_size() + e["nbytes"]:
+            found[i] = t
+    return found
+
+
+def receive_buffer(nbytes: int):
+    """The uint8 tensor every tensor is received into: untouched pages, faulted in by the streams that
+    fill them (in parallel). Touching them first only moves that cost (README: NetLoader performance)."""
+    import torch
+
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+
+
+_FAILED = -1  # on the ready queue: look at Transfer.error
+
+
+class Transfer:
+    """One seed's tensors over `socks` (joined, not yet asked): iterate for (name, tensor), each verified.
+
+    Threads: one per stream (receives its chunks into the buffer; a tensor whose last chunk lands
+    goes to the checker), one checker (CRC32C, a slice at a time: wire.crc32c), and the iterating one, which
+    yields what the checker passed. The first failure anywhere shuts every socket down (so no
+    thread waits past it) and is raised from the iteration. Every socket has `timeout_s`."""
+
+    def __init__(self, address: str, socks: list, manifest: list[dict], offsets: list[int], total: int,
+                 payload_bytes: int, timeout_s: float, verify: bool, in_place: dict | None = None):
+        self.address, self.socks, self.manifest, self.offsets = address, socks, manifest, offsets
+        self.timeout_s, self.verify = timeout_s, verify
+        # every producer has socket deadlines; this bound on no bytes arriving (not on the time to the next
+        # tensor: a large one on a slow link takes long) only guards against a bug of ours
+        self.stall_s = timeout_s * 2 + 10
+        self.payload_bytes = payload_bytes
+        self.error: str | None = None
+        self.buf = receive_buffer(total)
+        self._raw = memoryview(self.buf.numpy())
+        self.in_place: dict[int, object] = in_place or {}  # index -> the target its bytes go straight into
+        self._dest = [_bytes_of(self.in_place[i]) if i in self.in_place
+                      else self._raw[offsets[i]:offsets[i] + e["nbytes"]] for i, e in enumerate(manifest)]
+        self._remaining = [e["nbytes"] for e in manifest]
+        self._lock = threading.Lock()
+        self._checks: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        self._streams_left = len(socks)
+        self._threads: list[threading.Thread] = []
+        self._started = False
+
+    @property
+    def streams(self) -> int:
+        return len(self.socks)
+
+    def __iter__(self):
+        import torch
+
         try:
-            send_frame(sock, {"type": "JOIN", "token": token, "identity": expect_identity, **join_info})
-            ack = read_frame(sock, 0)
-            if ack["type"] == "JOIN_NACK":
-                raise NetLoadError(f"seed {address} refused: {ack.get('reason')}")
-            if ack["type"] != "JOIN_ACK":
-                raise NetLoadError(f"seed {address} answered {ack['type']} to JOIN")
-            manifest = _check_manifest(ack, expect_identity)
-            offsets, total = [], 0
-            for e in manifest:
-                offsets.append(total)
-                total += -(-e["nbytes"] // ALIGN) * ALIGN
-            if max_bytes is not None and total > max_bytes:
-                raise NetLoadError(f"weights of {total / 2**30:.2f} GiB exceed the {max_bytes / 2**30:.2f} GiB "
-                                   "this host can hold")
-            buf = torch.empty(max(total, 1), dtype=torch.uint8)
-            raw = buf.numpy()
-            send_frame(sock, {"type": "GET"})
-            progress = Progress(ack["total_bytes"], f"netloader {address}")
-            bad: list[str] = []
-            checks: queue.Queue = queue.Queue()
-            checker = threading.Thread(target=_verify, args=(checks, manifest, raw, offsets, bad), daemon=True)
-            checker.start()
-            try:
-                for i, e in enumerate(manifest):
-                    head = read_frame(sock, e["nbytes"])
-                    if head["type"] != "TENSOR" or head.get("index") != i or head.get("name") != e["name"] \
-                            or head.get("payload", 0) != e["nbytes"]:
-                        raise NetLoadError(f"seed {address} sent {head.get('type')} {head.get('name')!r} "
-                                           f"where tensor {i} ({e['name']}) was due")
-                    if e["nbytes"]:
-                        recv_exact(sock, e["nbytes"], memoryview(raw)[offsets[i]:offsets[i] + e["nbytes"]])
-                    if verify:
-                        checks.put(i)
-                    progress.update(e["nbytes"])
-                if read_frame(sock, 0)["type"] != "DONE":
-                    raise NetLoadError(f"seed {address} did not end with DONE")
-            finally:
-                checks.put(None)
-                checker.join()
+            self._start()
+            progress = self._progress
+            for _ in range(len(self.manifest)):
+                i = self._next_ready()
+                e = self.manifest[i]
+                if i in self.in_place:
+                    yield e["name"], self.in_place[i]
+                else:
+                    yield e["name"], _tensor(self.buf, self.offsets[i], e, torch)
+            if self._next_ready(end=True) is not None:
+                raise NetLoadError(f"seed {self.address}: a stream did not end")  # unreachable by design
             seconds = progress.finish()
+        finally:
+            self.close()
+        log.info("netloader: weights received", seed=self.address, tensors=len(self.manifest),
+                 streams=self.streams, gb=round(self.payload_bytes / 1e9, 3), seconds=round(seconds, 2),
+                 gb_per_s=round(self.payload_bytes / 1e9 / max(seconds, 1e-9), 2))
+
+    def _start(self) -> None:
+        self._started = True
+        self._progress = Progress(self.payload_bytes, f"netloader {self.address}")
+        plan = wire.plan([e["nbytes"] for e in self.manifest], len(self.socks))
+        try:
+            for j, sock in enumerate(self.socks):
+                send_frame(sock, {"type": "GET", "part": j, "parts": len(self.socks)})
+        except (ConnectionError, OSError) as exc:
+            raise NetLoadError(f"seed {self.address}: {type(exc).__name__}: {exc}") from None
+        self._threads = [threading.Thread(target=self._stream, args=(sock, plan[j]), daemon=True,
+                                          name=f"netloader-stream-{j}") for j, sock in enumerate(self.socks)]
+        self._threads.append(threading.Thread(target=self._check, daemon=True, name="netloader-crc32c"))
+        for t in self._threads:
+            t.start()
+
+    def _next_ready(self, end: bool = False):
+        """The next verified tensor's index (None at the end); NetLoadError on any failure."""
+        while True:
+            try:
+                i = self._ready.get(timeout=min(self.stall_s, 5.0))
+                break
+            except queue.Empty:
+                if time.monotonic() - self._progress.last > self.stall_s:
+                    self._fail(f"seed {self.address}: no bytes and no tensor for {self.stall_s:g} s")
+                    i = _FAILED
+                    break
+        if i == _FAILED or self.error is not None:
+            raise NetLoadError(self.error)
+        if i is None and not end:
+            raise NetLoadError(f"seed {self.address}: the streams ended before every tensor was verified")
+        return i
+
+    def _stream(self, sock: socket.socket, chunks: list[tuple[int, int, int]]) -> None:
+        try:
+            for i, offset, n in chunks:
+                e = self.manifest[i]
+                head = read_frame(sock, n)
+                if head["type"] != "TENSOR" or head.get("index") != i or head.get("name") != e["name"] \
+                        or head.get("offset", 0) != offset or head.get("payload", 0) != n:
+                    raise NetLoadError(f"seed {self.address} sent {head.get('type')} {head.get('name')!r} "
+                                       f"where tensor {i} ({e['name']}) from byte {offset} was due")
+                dest = self._dest[i]
+                for at in range(offset, offset + n, BLOCK):
+                    k = min(BLOCK, offset + n - at)
+                    recv_exact(sock, k, dest[at:at + k])
+                    self._progress.update(k)
+                with self._lock:
+                    self._remaining[i] -= n
+                    complete = self._remaining[i] == 0
+                if complete:
+                    self._checks.put(i)  # checked on the checker thread while the streams go on
+            if read_frame(sock, 0)["type"] != "DONE":
+                raise NetLoadError(f"seed {self.address} did not end with DONE")
+        except NetLoadError as exc:
+            self._fail(str(exc))
         except (FrameError, ConnectionError, OSError) as exc:  # socket.timeout is an OSError
-            raise NetLoadError(f"seed {address}: {type(exc).__name__}: {exc}") from None
-    if bad:
-        raise NetLoadError(f"seed {address}: checksum mismatch in {', '.join(bad[:3])}"
-                           + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
-    log.info("netloader: weights received", seed=address, tensors=len(manifest),
-             gb=round(ack["total_bytes"] / 1e9, 3), seconds=round(seconds, 2),
-             gb_per_s=round(ack["total_bytes"] / 1e9 / max(seconds, 1e-9), 2))
-    return [(e["name"], _tensor(buf, offsets[i], e, torch, np)) for i, e in enumerate(manifest)]
+            self._fail(f"seed {self.address}: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._streams_left -= 1
+                last = self._streams_left == 0
+            if last:
+                self._checks.put(None)
 
+    def _check(self) -> None:
+        while (i := self._checks.get()) is not None:
+            e = self.manifest[i]
+            if self.verify and self.error is None:
+                if wire.crc32c(self._dest[i]) != e[wire.CHECKSUM]:
+                    self._fail(f"seed {self.address}: checksum mismatch in {e['name']}")
+                    continue
+            self._ready.put(i)
+        self._ready.put(None)
 
-def _verify(checks: queue.Queue, manifest: list[dict], raw, offsets: list[int], bad: list[str]) -> None:
-    while (i := checks.get()) is not None:
-        e = manifest[i]
-        if zlib.crc32(memoryview(raw)[offsets[i]:offsets[i] + e["nbytes"]]) != e["crc32"]:
-            bad.append(e["name"])
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = reason
+        self._ready.put(_FAILED)
+        for sock in self.socks:  # wakes every stream blocked on its socket
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop (if running) and release the sockets; threads end within their socket deadlines."""
+        if self._started and any(t.is_alive() for t in self._threads):
+            self._fail(self.error or f"seed {self.address}: transfer abandoned")
+        for t in self._threads:
+            t.join(self.timeout_s + 5)
+        for sock in self.socks:
+            sock.close()
+        if not any(t.is_alive() for t in self._threads):  # the host buffer goes once the tensors yielded do
+            self.buf = self._raw = self._dest = None
+
+    def changed_in_place(self) -> list[str]:
+        """Names of the tensors received in place whose target no longer holds their bytes (call it once
+        the model's load_weights is done: a model that transforms a tensor while loading it, where
+        the source is the target, is caught here)."""
+        return [self.manifest[i]["name"] for i, t in self.in_place.items()
+                if wire.crc32c(_bytes_of(t)) != self.manifest[i][wire.CHECKSUM]]
 
 
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -174,6 +408,13 @@ TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
                 "U64": "uint64"}
 
 
-def _tensor(buf, offset: int, e: dict, torch, np):
+def _bytes_of(t) -> memoryview:
+    """The bytes of a contiguous host tensor, writable in place."""
+    import torch
+
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _tensor(buf, offset: int, e: dict, torch):
     dtype = getattr(torch, TORCH_DTYPES[e["dtype"]])
     return buf[offset:offset + e["nbytes"]].view(dtype).reshape(e["shape"])

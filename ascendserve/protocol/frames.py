@@ -96,6 +96,15 @@ def read_frame(sock: socket.socket, max_payload: int) -> dict:
     return header
 
 
+def send_blocks(sock: socket.socket, data, block: int = 1 << 20) -> None:
+    """sock.sendall in blocks of `block` bytes, so the socket's timeout bounds each block (a deadline on
+    silence): one sendall's timeout bounds the whole call (Python >= 3.5), which a large payload on a
+    slow link outlasts while still moving."""
+    view = memoryview(data).cast("B")
+    for at in range(0, len(view), block):
+        sock.sendall(view[at:at + block])
+
+
 def send_frame(sock: socket.socket, header: dict, payload: memoryview | bytes | None = None) -> None:
     n = len(payload) if payload is not None else 0
     sock.sendall(encode(header, n))

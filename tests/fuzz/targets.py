@@ -345,13 +345,17 @@ def _netloader_seed_setup():
 
 
 def _join() -> dict:
+    from ascendserve.netloader.wire import WIRE_VERSION
+
     return {"type": "JOIN", "token": TOKEN, "identity": {"config_sha256": "0" * 64}, "tp_rank": 0, "tp_size": 1,
-            "pp_rank": 0, "pp_size": 1}
+            "pp_rank": 0, "pp_size": 1, "version": WIRE_VERSION}
 
 
 def _netloader_seed_seeds():
+    old = {k: v for k, v in _join().items() if k != "version"}  # a version-1 joiner: refused with a reason
     return [frame(_join()) + frame({"type": "GET"}), frame(_join()), frame({**_join(), "token": "nope"}),
-            frame({"type": "GET"})]
+            frame({"type": "GET"}), frame(old) + frame({"type": "GET"}),
+            frame({**_join(), "stream": 1}) + frame({"type": "GET", "part": 1, "parts": 2})]  # a further stream
 
 
 def _netloader_client_setup():
@@ -374,16 +378,25 @@ def _netloader_client_setup():
 def _netloader_client_seeds():
     from ascendserve.netloader.checkpoint import CheckpointIndex, MemorySource
 
+    from ascendserve.netloader.wire import CHECKSUM, WIRE_VERSION, crc32c
+
     source = MemorySource(CheckpointIndex.scan(_tiny_checkpoint()))
     index = source.index
-    ack = frame({"type": "JOIN_ACK", "identity": index.identity, "manifest": index.manifest(),
-                 "total_bytes": index.total_bytes})
+    def ack_of(manifest: list) -> bytes:  # version 2: the manifest is the JOIN_ACK's payload
+        return frame({"type": "JOIN_ACK", "version": WIRE_VERSION, "identity": index.identity,
+                      "total_bytes": index.total_bytes}, msgspec.msgpack.encode(manifest))
+
+    ack = ack_of(index.manifest())
     tensors = b"".join(frame({"type": "TENSOR", "index": i, "name": e.name}, bytes(source.view(e)))
                        for i, e in enumerate(index.entries))
-    bad_crc = [{**e, "crc32": zlib.crc32(b"other")} for e in index.manifest()]
+    bad_crc = [{**e, CHECKSUM: crc32c(b"other")} for e in index.manifest()]
+    # what a version-1 seed sent: no version, zlib's CRC-32 (refused before any GET)
+    old = [{k: v for k, v in e.items() if k != CHECKSUM} | {"crc32": zlib.crc32(bytes(source.view(entry)))}
+           for e, entry in zip(index.manifest(), index.entries)]
     return [ack + tensors + frame({"type": "DONE"}), ack,
             frame({"type": "JOIN_NACK", "reason": "busy"}),
-            frame({"type": "JOIN_ACK", "identity": index.identity, "manifest": bad_crc,
+            ack_of(bad_crc) + tensors + frame({"type": "DONE"}),
+            frame({"type": "JOIN_ACK", "identity": index.identity, "manifest": old,
                    "total_bytes": index.total_bytes}) + tensors + frame({"type": "DONE"})]
 
 

@@ -54,8 +54,9 @@ CASES = [  # (target, input, what it did before the fix)
     ("kv_channel_client", b"\x01" + frame({"type": "OK"}) + frame({"type": "SHM", "name": "asf-kv-\x00",
                                                                    "size": 2 * 2 * 256}),
      "ValueError (embedded null byte) out of ChannelClient.pull instead of TransferError"),
-    ("netloader_client", lambda: frame({"type": "JOIN_ACK", "identity": _identity(), "manifest": [
-        {"name": "a", "dtype": {}, "shape": [1], "nbytes": 4, "crc32": 0}], "total_bytes": 4}),
+    ("netloader_client", lambda: frame({"type": "JOIN_ACK", "version": 2, "identity": _identity(), "total_bytes": 4},
+                                       msgspec.msgpack.encode([{"name": "a", "dtype": {}, "shape": [1], "nbytes": 4,
+                                                                "crc32c": 0}])),
      "TypeError out of fetch: the loader stopped instead of trying the next seed or the disk"),
 ]
 

@@ -230,6 +230,7 @@ def test_kv_side_channel_refuses_a_missing_or_wrong_token():
 def test_netloader_seed_refuses_a_missing_or_wrong_token_and_floods(tmp_path):
     from ascendserve.netloader.checkpoint import CheckpointIndex, MemorySource
     from ascendserve.netloader.seed import MAX_HANDSHAKES, Seed
+    from ascendserve.netloader.wire import MAX_MANIFEST_BYTES, WIRE_VERSION
 
     seed = Seed(MemorySource(CheckpointIndex.scan(tiny_checkpoint(tmp_path / "ckpt"))), TOKEN, "127.0.0.1", 0,
                 max_clients=1, handshake_s=60.0).start()
@@ -237,7 +238,7 @@ def test_netloader_seed_refuses_a_missing_or_wrong_token_and_floods(tmp_path):
     def join(frame: dict) -> dict:
         with socket.create_connection(("127.0.0.1", seed.port), timeout=10) as sock:
             send_frame(sock, frame)
-            return read_frame(sock, 0)
+            return read_frame(sock, MAX_MANIFEST_BYTES)  # a JOIN_ACK's payload is the manifest
 
     try:
         for frame in ({"type": "JOIN"}, {"type": "JOIN", "token": ""}, {"type": "JOIN", "token": WRONG},
@@ -245,7 +246,7 @@ def test_netloader_seed_refuses_a_missing_or_wrong_token_and_floods(tmp_path):
             answer = join(frame)
             assert answer["type"] == "JOIN_NACK" and "token" in answer["reason"], (frame, answer)
             assert WRONG not in answer["reason"]
-        assert join({"type": "JOIN", "token": TOKEN})["type"] == "JOIN_ACK"
+        assert join({"type": "JOIN", "token": TOKEN, "version": WIRE_VERSION})["type"] == "JOIN_ACK"
         # silent connections: past max_clients + MAX_HANDSHAKES the seed closes new ones at once
         silent = [socket.create_connection(("127.0.0.1", seed.port), timeout=10)
                   for _ in range(1 + MAX_HANDSHAKES)]
@@ -261,10 +262,12 @@ def test_netloader_seed_refuses_a_missing_or_wrong_token_and_floods(tmp_path):
 
 
 def _joins(port: int) -> bool:
+    from ascendserve.netloader.wire import MAX_MANIFEST_BYTES, WIRE_VERSION
+
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            send_frame(sock, {"type": "JOIN", "token": TOKEN})
-            return read_frame(sock, 0)["type"] == "JOIN_ACK"
+            send_frame(sock, {"type": "JOIN", "token": TOKEN, "version": WIRE_VERSION})
+            return read_frame(sock, MAX_MANIFEST_BYTES)["type"] == "JOIN_ACK"
     except OSError:
         return False
 

@@ -143,6 +143,15 @@ def test_bundle_loads_the_native_libraries(release, clean_env, tmp_path):
         assert loaded == "True" and Path(path).resolve().is_relative_to((release / "bin").resolve()), out
 
 
+def test_bundle_checks_netloader_weights_with_the_c_crc32c(release, clean_env, tmp_path):
+    """NetLoader's CRC32C in the bundle: google-crc32c's C extension and the library beside it
+    (google_crc32c.libs/) collected, not its pure-Python fallback, which NetLoader refuses."""
+    code = ("import google_crc32c; from ascendserve.netloader import wire; wire.require_checksum(); "
+            "print(google_crc32c.implementation, wire.crc32c(memoryview(b'123456789')))")
+    out, _ = _run(release, clean_env, tmp_path / "cwd", "-c", code)
+    assert out.split() == ["c", str(0xE3069283)]  # the CRC32C check value (RFC 3720)
+
+
 def _group_alive(pgid: int) -> list[psutil.Process]:
     alive = []
     for proc in psutil.process_iter():

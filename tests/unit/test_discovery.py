@@ -148,6 +148,25 @@ def test_etcd_entries_become_a_registry_view_skipping_bad_ones():
         ("pd-2", "http://10.0.0.1:8000", 2), ("pd-1", "http://10.0.0.1:8000", 2)]  # by key: .../newer after .../list
 
 
+def test_etcd_settings_reach_a_child_process_as_a_dict_without_the_password():
+    """The NetLoader's settings carry the registry's etcd settings (to_dict); the loader reads them back
+    with from_dict and the password from the environment."""
+    import json
+
+    import pytest
+
+    settings = etcd.EtcdSettings(("https://e1:2379", "https://e2:2379"), "c1", 7, "root", "s3cret", "/ca.pem",
+                                 "/cert.pem", "/key.pem")
+    sent = json.dumps(settings.to_dict())
+    assert "s3cret" not in sent
+    assert etcd.EtcdSettings.from_dict(json.loads(sent), "s3cret") == settings
+    assert etcd.EtcdSettings.from_dict({"endpoints": ["http://e:2379/"]}) == etcd.EtcdSettings(("http://e:2379",))
+    for bad in ([], {"endpoints": "http://e:2379"}, {"endpoints": [1]}, {"endpoints": [], "lease_ttl_s": "10"},
+                {"endpoints": [], "username": 5}, {"endpoints": [], "cluster": ["c"]}):
+        with pytest.raises(ValueError):
+            etcd.EtcdSettings.from_dict(bad)
+
+
 def test_etcd_watch_messages_and_keys():
     assert etcd.prefix_end("/ascendserve/default/") == etcd.b64("/ascendserve/default0")
     message = {"result": {"header": {"revision": "9"}, "events": [
