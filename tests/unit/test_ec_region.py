@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -11,7 +12,7 @@ import uuid
 import numpy as np
 import pytest
 
-from ascendserve.connectors.ec.region import Region, RegionError, ready_keys, snapshot
+from ascendserve.connectors.ec.region import Region, RegionError, _sizes, ready_keys, snapshot
 
 BLOCK = 4096
 
@@ -82,6 +83,33 @@ def test_layout_mismatch_is_refused(name):
             Region(name, size_bytes=16 * BLOCK, block_size=BLOCK)
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("opened_as", ["empty", "sized, never set up"])
+def test_two_instances_starting_at_once_both_attach(name, opened_as):
+    """Another instance opened the region (and holds it) but has not set it up yet: the first to
+    take the region's lock sets it up, the other checks it (CI: an encoder started beside
+    another was refused with "exists with a different layout (0, ...)")."""
+    import fcntl
+
+    other = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT, 0o600)  # the other instance, mid-attach
+    fcntl.flock(other, fcntl.LOCK_SH)
+    if opened_as != "empty":  # it died between its truncate and its header: the magic is still 0
+        os.ftruncate(other, _sizes(BLOCK, 8, 4096)[3])
+    try:
+        first = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)
+        assert first.write("a", item(1, 3 * BLOCK), "uint8", (3 * BLOCK,))
+        second = Region(name, size_bytes=8 * BLOCK, block_size=BLOCK)  # the other one gets there
+        assert np.array_equal(second.read(second.pin("a", ttl_s=5)), item(1, 3 * BLOCK))
+        second.unpin("a")
+        with pytest.raises(RegionError, match="same \\[ec\\] shm"):  # a real mismatch still is one
+            Region(name, size_bytes=16 * BLOCK, block_size=BLOCK)
+        second.close()
+        first.close()
+    finally:
+        os.close(other)
+    with contextlib.suppress(FileNotFoundError):  # the other instance's hold kept the last close from unlinking
+        os.unlink(f"/dev/shm/{name}")
 
 
 def _writer(name: str, ready, hold: bool) -> None:

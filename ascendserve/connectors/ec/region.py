@@ -134,8 +134,14 @@ class Region:
         entries_at, next_at, data_at, total = _sizes(block_size, num_blocks, max_entries)
         try:
             with self._locked():
-                alone = self._alone()
-                if alone and os.fstat(self._fd).st_size != total:
+                # Set up by whoever takes the lock first: alone, or the region was never set up
+                # (another process opened it and holds it, but has not reached this lock yet:
+                # two instances starting at once). Whoever maps it passed this lock with the
+                # header complete (magic written last), so an empty file or a zero magic means
+                # no process uses it.
+                size = os.fstat(self._fd).st_size
+                fresh = self._alone() or size == 0
+                if fresh and size != total:
                     os.ftruncate(self._fd, total)
                 if os.fstat(self._fd).st_size != total:
                     raise RegionError(self._mismatch(os.fstat(self._fd).st_size, total))
@@ -145,7 +151,7 @@ class Region:
                 self._next = np.frombuffer(self._mm, np.int32, num_blocks, next_at)
                 self._data = np.frombuffer(self._mm, np.uint8, block_size * num_blocks,
                                            data_at).reshape(num_blocks, block_size)
-                self._init_or_check(alone)
+                self._init_or_check(fresh or int(self._header[0]["magic"]) == 0)
         except BaseException:
             os.close(self._fd)
             raise
