@@ -5,6 +5,7 @@
              (the last active one of its role: only by a failed /health check, run at once)
     ejected  --GET /health 200-->  active
     suspect  (left the registry) --GET /health 200-->  active: slow, not dead
+    suspect  --eject_after failed /health checks-->  ejected: dead, not slow
 An instance added through the admin API that never answers its probes is
 dropped after `eject_after` tries, like vllm-ascend's waiting list.
 """
@@ -93,7 +94,9 @@ class HealthMonitor:
                 self._set(inst, ACTIVE, "answers though its registration lapsed; routed to again")
             return
         inst.failures += 1
-        if inst.state == ACTIVE and inst.failures >= self.settings.eject_after:
+        if inst.state in (ACTIVE, SUSPECT) and inst.failures >= self.settings.eject_after:
+            # a suspect one (it left the registry) that does not answer either is dead, not slow:
+            # no longer a last resort, and /health says the role is missing
             self._set(inst, EJECTED, "ejected after failed health checks")
         elif inst.state == PROBING and inst.source == "admin" and inst.failures >= self.settings.eject_after:
             log.warning("instance never answered; not added", url=inst.url, role=inst.role)

@@ -110,6 +110,34 @@ def test_instance_back_in_the_registry_while_draining_is_routed_to_again():
     assert URL in pools["decode"].instances, "its last request ended: a draining instance would be forgotten"
 
 
+class DeadEngines:
+    """The engines' side of the health checks: every GET is refused, as a killed engine's port is."""
+
+    async def get(self, url, timeout_s):
+        from ascendserve.web.upstream import UpstreamError
+
+        raise UpstreamError(url, None, "Connection refused")
+
+
+def test_suspect_instance_that_fails_its_health_checks_is_ejected_and_the_role_is_missing():
+    """A SIGKILLed engine left the registry (suspect) before its health checks had ejected it:
+    it stayed suspect, a last resort answering nothing, and /health said 200 until its
+    restart registered again (CI: test_all_role's crash was never noticed)."""
+    import asyncio
+
+    pools, watch = watched()
+    (one,) = admitted(pools, watch, URL)
+    health = HealthMonitor(pools, DeadEngines(), ProxyConfig())
+    watch.apply(view(2))
+    assert one.state == SUSPECT
+    for _ in range(ProxyConfig().eject_after):
+        asyncio.run(health.check_all())
+    assert one.state == "ejected" and not pools.has_active("decode")
+    assert [m for m in pools.readiness().missing if "no healthy decode" in m]
+    watch.apply(view(3, URL))  # its restart registers again: admitted once its health check answers
+    assert one.state == "ejected" and one.missing_since is None
+
+
 def test_suspect_instance_back_in_the_registry_is_active_at_once():
     pools, watch = watched()
     one, _ = admitted(pools, watch, URL, OTHER)
