@@ -233,6 +233,12 @@ def fetch(sock: socket.socket, request: bytes, expect: bytes, runs: Runs) -> byt
     rc = _lib.asv_xfer_fetch(_fd(sock), request, len(request), expect, len(expect), header, HEADER_CAP,
                              ctypes.byref(header_len), ctypes.byref(spec), idle_ms, total_ms, ctypes.byref(done),
                              err, len(err))
+    return _header_or_none(rc, header, header_len, err)
+
+
+def _header_or_none(rc: int, header, header_len, err) -> bytes | None:
+    """A call's outcome: None when it went as expected, the bytes of a header other than the
+    expected one (for the caller to decode), or the error it raises."""
     if rc == _OK:
         return None
     if rc == _OTHER_HEADER:
@@ -274,11 +280,7 @@ def shm_serve(sock: socket.socket, runs: Runs, segment: int, segment_len: int, d
     rc = _lib.asv_xfer_shm_serve(_fd(sock), ctypes.byref(spec), segment, segment_len, frames_, len(frames_), ends,
                                  done, len(done), header, HEADER_CAP, ctypes.byref(header_len), idle_ms, total_ms,
                                  err, len(err))
-    if rc == _OK:
-        return None
-    if rc == _OTHER_HEADER:
-        return header.raw[:header_len.value]
-    _raise(rc, err)
+    return _header_or_none(rc, header, header_len, err)
 
 
 def shm_fetch(sock: socket.socket, runs: Runs, segment: int, segment_len: int,
@@ -297,8 +299,5 @@ def shm_fetch(sock: socket.socket, runs: Runs, segment: int, segment_len: int,
     rc = _lib.asv_xfer_shm_fetch(_fd(sock), ctypes.byref(spec), segment, segment_len, frames_, len(frames_), ends,
                                  done, len(done), header, HEADER_CAP, ctypes.byref(header_len),
                                  ctypes.byref(layers_done), idle_ms, total_ms, err, len(err))
-    if rc == _OK:
-        return None
-    if rc == _OTHER_HEADER:
-        return layers_done.value, header.raw[:header_len.value]
-    _raise(rc, err)
+    other = _header_or_none(rc, header, header_len, err)
+    return None if other is None else (layers_done.value, other)
