@@ -106,6 +106,8 @@ class Generation:
                         async for out in leg_events:
                             yield out
                     ok = True
+                    if led.fingerprint is not None:  # for a later answer whose usage event never comes
+                        self.leg.instance.fingerprint = led.fingerprint
                     return
                 except BackendFailed as failure:
                     inst = self.leg.instance
@@ -202,8 +204,6 @@ class Generation:
                     out.append(encode(event))
             if led.stopped:
                 return True
-        if led.fingerprint is not None and self.leg.instance.fingerprint != led.fingerprint:
-            self.leg.instance.fingerprint = led.fingerprint  # for an answer whose usage event never comes
         return False
 
     def _close_finished(self) -> list[bytes]:
