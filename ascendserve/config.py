@@ -188,6 +188,10 @@ class ProxyConfig(_Section):
     kv_temperature: NonNegative = 0.0  # 0: the cheapest; > 0: softmax over -cost / (temperature x blocks)
     kv_tokenizer: Literal["auto", "engine", "local"] = "auto"  # the prompt's token ids: local files or /tokenize
     kv_index_max_blocks: PositiveInt = 2_000_000  # per instance; above it the index is rebuilt from scratch
+    # processes serving clients on the one port (router/workers.py); 0: the cores given to the proxy,
+    # at most 8. Health, discovery and ejection run once, in worker 0; every worker routes by its own
+    # in-flight plus the others'
+    workers: Annotated[int, Meta(ge=0, le=64)] = 0
     max_retries: Annotated[int, Meta(ge=0, le=20)] = 3
     retry_backoff_s: NonNegative = 0.05
     # a decode/pd instance that fails mid-generation: the request continues on another one with the

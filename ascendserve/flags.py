@@ -111,6 +111,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--encoder-dispatch", "proxy.encoder_dispatch", "single | fanout (one encoder call per item)", ("proxy",)),
     Flag("--encoder-fallback", "proxy.encoder_fallback", "all encoders (or the EC store) down: local (PD encodes) | fail", ("proxy",)),
     Flag("--mm-hash-algorithm", "proxy.mm_hash_algorithm", "the engines' --mm-hasher-algorithm: blake3 | sha256 | sha512", ("proxy",)),
+    Flag("--workers", "proxy.workers", "proxy processes serving the one port (default 0: the cores given to it, at most 8)", ("proxy",)),
     Flag("--routing", "proxy.routing", "choice of pd/prefill instance: kv (the engines' cached blocks against load) | load", ("proxy",)),
     Flag("--kv-overlap-weight", "proxy.kv_overlap_weight", "kv routing: weight of uncached prompt blocks against blocks in flight", ("proxy",)),
     Flag("--max-retries", "proxy.max_retries", "retries of a failed hop before the first byte", ("proxy",)),

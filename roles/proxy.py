@@ -3,6 +3,7 @@
 import structlog
 
 from ascendserve.config import Config
+from ascendserve.router import workers
 from ascendserve.router.app import create_app
 from ascendserve.web import server
 from ascendserve.web.limits import raise_open_files_limit
@@ -19,4 +20,7 @@ def run(config: Config) -> int:
                     limit=limit)
     elif limit != before:
         log.info("open files limit raised", before=before, limit=limit)
-    return server.run(create_app(config), config.server)
+    count = workers.worker_count(config.proxy.workers)
+    if count == 1:
+        return server.run(create_app(config), config.server)
+    return workers.supervise(count, lambda worker: server.run(create_app(config, worker), config.server))

@@ -49,7 +49,7 @@ class ProxySource:
 
     # ---- the charts -----------------------------------------------------------------------------
     def record(self) -> None:
-        m = self.metrics
+        m = self.metrics.summed()
         self.series.record(Reading(
             t=self.clock(),
             counters={"requests": total(m.requests), "errors": total(m.errors), "retries": total(m.retries),
@@ -65,7 +65,7 @@ class ProxySource:
         registered = inst.source == "registry"
         return {"url": inst.url, "role": inst.role, "state": inst.state, "source": inst.source,
                 "id": inst.instance_id, "models": list(inst.models),
-                "in_flight": inst.active_requests, "others": inst.others if registered else None,
+                "in_flight": inst.total_requests, "others": inst.others if registered else None,
                 "running": None, "waiting": None,
                 "kv_usage": inst.kv_usage if registered else None,
                 "active_kv": inst.active_kv if inst.role == "prefill" else None,
@@ -73,7 +73,7 @@ class ProxySource:
                 "last_error": inst.last_error, "kv_connector": inst.kv_connector, "kv": self.kv.of(inst.url)}
 
     def totals(self) -> dict:
-        m = self.metrics
+        m = self.metrics.summed()
         statuses = by_label(m.requests, "status")
         skips, fallbacks = total(m.encoder_skips), total(m.fallbacks)
         encoder_calls = float(sum(i.served for i in self.pools["encoder"].instances.values()))

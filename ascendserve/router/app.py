@@ -38,6 +38,7 @@ from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
 from ascendserve.router.pools import ACTIVE, ROLES, Pools, Readiness
 from ascendserve.router.tracing import Tracing
+from ascendserve.router.workers import Leader, Mirror, Relay, Worker
 from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
 from ascendserve.web.body_limit import body_limit
@@ -161,9 +162,9 @@ def _current(pools: Pools) -> dict:
 async def instances_add(request: Request, state: State) -> dict:
     role, urls = _admin_body(await request.body())
     for url in urls:
-        state.pools[role].add(url, source="admin")
-        state.dashboard.feed.add("added", role, url, "probing", "through /instances/add")
-    state.health.wake()
+        _add(state.pools, state.health, state.dashboard, role, url, "through /instances/add")
+        if state.relay is not None:
+            state.relay.tell("add", role, url)  # worker 0 probes it; its table says when it is active
     log.info("instances added (probing)", role=role, urls=urls)
     return {"message": f"Instances {urls} are waiting to be added.", **_current(state.pools)}
 
@@ -173,15 +174,28 @@ async def instances_remove(request: Request, state: State) -> dict:
     role, urls = _admin_body(await request.body())
     draining = []
     for url in urls:
-        inst = state.pools[role].drain(url)
-        if inst is not None and inst.active_requests:
+        inst = _drain(state.pools, state.dashboard, role, url)
+        if inst is not None and inst.total_requests:
             draining.append(url)
-        if inst is not None:
-            state.dashboard.feed.add("draining", role, url, inst.state, "through /instances/remove")
+        if state.relay is not None:
+            state.relay.tell("drain", role, url)
     log.info("instances removed", role=role, urls=urls, draining=draining)
     message = (f"Instances {draining} are isolated and waiting to be removed." if draining
                else f"remove {role} instances: {urls}.")
     return {"message": message, **_current(state.pools)}
+
+
+def _add(pools: Pools, health, dashboard: Dashboard, role: str, url: str, how: str) -> None:
+    pools[role].add(url, source="admin")
+    dashboard.feed.add("added", role, url, "probing", how)
+    health.wake()
+
+
+def _drain(pools: Pools, dashboard: Dashboard, role: str, url: str):
+    inst = pools[role].drain(url)
+    if inst is not None:
+        dashboard.feed.add("draining", role, url, inst.state, "through /instances/remove")
+    return inst
 
 
 @get("/instances")
@@ -223,28 +237,37 @@ async def reset_prefix_cache(state: State) -> Response:
     return await _fan_out(state, "/reset_prefix_cache")
 
 
-def create_app(config: Config) -> Litestar:
+def create_app(config: Config, worker: Worker | None = None) -> Litestar:
+    """The proxy's app; `worker`: one of several proxy processes (router/workers.py), worker 0
+    deciding health and membership for all, the others mirroring it."""
     settings = config.proxy
     pools = Pools()
+    if worker is not None:
+        pools.share(worker.counters())
     for role in ROLES:
         for url in getattr(settings, role):
             pools[role].add(url, source="static")
+    follower = worker is not None and not worker.leader
     backend_headers = engine_headers(config.cluster.token, settings.backend_api_key)
     upstream = Upstream(settings.request_timeout_s, settings.connect_timeout_s, backend_headers,
                         client_context(config.cluster.tls_ca))
-    metrics_ = ProxyMetrics(pools)
+    metrics_ = ProxyMetrics(pools, worker.metrics_dir if worker is not None else None)
     events = kv_router = None
     if settings.routing == "kv":
         events = KVEvents(settings.kv_index_max_blocks, can_reach=reachable)
         kv_router = KVRouter(pools, upstream, events, settings, metrics_)
         metrics_.watch_kv(events)
-    health_ = HealthMonitor(pools, upstream, settings, *((follow_states(events), lambda: sync(events, pools))
-                                                         if events is not None else ()))
+    kv_hooks = (follow_states(events), lambda: sync(events, pools)) if events is not None else ()
+    health_ = Relay(worker) if follower else HealthMonitor(pools, upstream, settings, *kv_hooks)
+    if follower and events is not None:
+        health_.on_state = kv_hooks[0]
     dashboard = Dashboard.for_proxy(config, pools, metrics_, upstream)
     health_.on_state = compose(health_.on_state, dashboard.feed.on_state)  # beside the KV index's hook
-    watch = None
+    watch = mirror = leader = None
     static = [config.cluster.metaserver_url.rstrip("/")] if config.cluster.metaserver_url else []
-    if config.registry.backend == "etcd":
+    if follower:
+        mirror = Mirror(worker, pools, on_state=health_.on_state, after=kv_hooks[1] if kv_hooks else None)
+    elif config.registry.backend == "etcd":
         watch = EtcdWatch(pools, health_, EtcdSettings.from_config(config), settings.health_timeout_s)
     elif config.cluster.metaserver_url:
         watch = MetaserverWatch(pools, upstream, health_, config.cluster.metaserver_url, config.cluster.token,
@@ -252,17 +275,31 @@ def create_app(config: Config) -> Litestar:
                                 2 * config.metaserver.heartbeat_timeout_s)
     if watch is not None:
         watch.on_event = dashboard.feed.on_registry  # joins, leaves, restarts: the dashboard's feed
+    metaservers = None
+    if config.registry.backend == "etcd":
+        metaservers = (lambda: mirror.metaservers) if follower else (lambda: watch.metaservers or static)
     pipeline = Pipeline(pools, upstream, settings, metrics_, health_.report_failure,
                         config.cluster.metaserver_url, config.cluster.token,
                         ECLookup.from_config(config.ec, settings.mm_hash_algorithm), health_.suspect,
-                        health_.wake, kv_router,
-                        metaservers=(lambda: watch.metaservers or static) if config.registry.backend == "etcd" else None,
+                        health_.wake, kv_router, metaservers=metaservers,
                         tracer=Tracing.from_env(environ()))  # None unless OTEL_* turns traces on
+    if worker is not None and worker.leader:
+        leader = Leader(worker, pools, health_, pipeline.metaservers)
+        leader.on_add = lambda role, url: _add(pools, health_, dashboard, role, url, "through another worker")
+        leader.on_drain = lambda role, url: _drain(pools, dashboard, role, url)
+        # a P/D connector mismatch is logged once, here, whichever worker's requests meet it
+        leader.on_change = lambda: pipeline.pairing.check(pools["prefill"].active(), pools["decode"].active())
+        health_.on_state = compose(health_.on_state, lambda inst, state, before: leader.publish())
+    pipeline.pairing.quiet = follower
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar):
         await upstream.start()
-        tasks = [asyncio.ensure_future(health_.run())]
+        if mirror is not None:
+            mirror.poll()  # the leader's table before the first request, when it has one
+        tasks = [asyncio.ensure_future(mirror.run() if mirror is not None else health_.run())]
+        if leader is not None:
+            tasks.append(asyncio.ensure_future(leader.run()))
         tasks.append(asyncio.ensure_future(dashboard.run()))
         if watch is not None:
             tasks.append(asyncio.ensure_future(watch.run()))
@@ -282,6 +319,7 @@ def create_app(config: Config) -> Litestar:
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
                    "upstream": upstream, "watch": watch, "settings": settings, "dashboard": dashboard,
+                   "relay": health_ if follower else None,
                    "stop_hooks": [dashboard.hub.stop]})  # web/server: end the event streams on SIGTERM
     client = Router(path="/", route_handlers=[chat, completions, models],
                     guards=[bearer_guard(settings.api_keys, "API key")])

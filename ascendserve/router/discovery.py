@@ -85,7 +85,7 @@ class RegistryWatch:
     def report_load(self, inst, load: Load) -> None:
         """The engine's own count of requests, from every proxy: what is not ours is others'."""
         inst.kv_usage = load.kv_usage
-        others = max(0, load.running + load.waiting - inst.active_requests)
+        others = max(0, load.running + load.waiting - inst.total_requests)
         if others != inst.others:
             inst.others = others
             self.pools[inst.role].touch(inst)

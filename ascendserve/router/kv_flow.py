@@ -38,6 +38,7 @@ class Pairing:
     def __init__(self, default_flow: str):
         self.default_flow = default_flow  # [proxy] mode: for P and D that say nothing
         self._warned: tuple | None = None
+        self.quiet = False  # another proxy worker says it (router/workers.py: the leader checks())
 
     def pair(self, prefill: list[Instance], decode: list[Instance],
              pick: Callable[[frozenset[str]], Instance | None]) -> Pair:
@@ -48,7 +49,7 @@ class Pairing:
         usable = [i for i in prefill if "" in d_connectors or not i.kv_connector or i.kv_connector in d_connectors]
         if not usable:
             p_side, d_side = sorted({i.kv_connector for i in prefill}), sorted(d_connectors)
-            if self._warned != (p_side, d_side):
+            if self._warned != (p_side, d_side) and not self.quiet:
                 self._warned = (p_side, d_side)
                 log.warning("KV connectors of prefill and decode differ: not pairing them", prefill=p_side,
                             decode=d_side, prefill_urls=[i.url for i in prefill], decode_urls=[i.url for i in decode])
@@ -63,6 +64,15 @@ class Pairing:
         return Pair(info.connector, info.flow, info.free,
                     frozenset(i.url for i in prefill if i.kv_connector not in ("", info.connector)),
                     frozenset(i.url for i in decode if i.kv_connector not in ("", info.connector)))
+
+
+    def check(self, prefill: list[Instance], decode: list[Instance]) -> None:
+        """Log a mismatch of the active P and D now (once), not at the next request."""
+        if prefill and decode:
+            try:
+                self.pair(prefill, decode, lambda _: None)
+            except APIError:
+                pass
 
 
 def prefill_body(pair: Pair, body: dict, request_id: str) -> dict:

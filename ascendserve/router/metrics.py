@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -26,8 +27,8 @@ class _PoolCollector:
         healthy = GaugeMetricFamily("ascendserve_proxy_instance_up", "1 when the instance takes requests",
                                     labels=["role", "instance", "state"])
         for inst in self.pools.all_instances():
-            in_flight.add_metric([inst.role, inst.url], inst.active_requests)
-            tokens.add_metric([inst.role, inst.url], inst.active_tokens)
+            in_flight.add_metric([inst.role, inst.url], inst.total_requests)
+            tokens.add_metric([inst.role, inst.url], inst.active_tokens + inst.peer_load()[1])
             healthy.add_metric([inst.role, inst.url, inst.state], 1.0 if inst.state == "active" else 0.0)
         yield from (in_flight, tokens, healthy)
 
@@ -61,8 +62,19 @@ class _KVIndexCollector:
 
 
 class ProxyMetrics:
-    def __init__(self, pools: Pools):
+    def __init__(self, pools: Pools, multiprocess_dir: str | None = None):
+        """`multiprocess_dir`: several proxy workers (router/workers.py) count into files there, and a
+        scrape of any of them sums every worker's counters."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.scrape = self.registry
+        if multiprocess_dir:
+            from prometheus_client import multiprocess, values
+
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = multiprocess_dir
+            values.ValueClass = values.MultiProcessValue()  # read when each metric below is made
+            self._summed = multiprocess.MultiProcessCollector(None, path=multiprocess_dir)
+            self.scrape = CollectorRegistry()
+            self.scrape.register(_AllWorkers(self._summed, self.registry))
         r = self.registry
         self.requests = Counter("ascendserve_proxy_requests", "client requests by route and status",
                                 ["route", "status"], registry=r)
@@ -102,10 +114,10 @@ class ProxyMetrics:
                                      "from its prefix cache (vLLM's usage cached_tokens)", ["role"], registry=r)
         self.prefix_prompt = Counter("ascendserve_proxy_prefix_prompt_tokens", "prompt tokens of the requests "
                                      "whose cached_tokens the engine reported", ["role"], registry=r)
-        r.register(_PoolCollector(pools))
+        self.scrape.register(_PoolCollector(pools))
 
     def watch_kv(self, events) -> None:
-        self.registry.register(_KVIndexCollector(events))
+        self.scrape.register(_KVIndexCollector(events))
 
     def observe_cached(self, role: str, usage) -> None:
         """vLLM's usage with prompt_tokens_details (the roles turn it on with KV events)."""
@@ -123,5 +135,44 @@ class ProxyMetrics:
         if first is not None and tokens >= 2:
             self.itl.observe((time.monotonic() - first) / (tokens - 1))
 
+    def summed(self):
+        """These metrics with every worker's counts (the dashboard's figures): self with one worker."""
+        if self.scrape is self.registry:
+            return self
+        return _Summed(self, {family.name: family for family in self._summed.collect()})
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.scrape)
+
+
+class _AllWorkers:
+    """Every worker's counters summed; the ones no worker has counted yet as this one describes them."""
+
+    def __init__(self, summed, local: CollectorRegistry):
+        self.summed, self.local = summed, local
+
+    def collect(self):
+        families = list(self.summed.collect())
+        names = {family.name for family in families}
+        yield from families
+        yield from (family for family in self.local.collect() if family.name not in names)
+
+
+class _Summed:
+    """ProxyMetrics' attributes as the multiprocess files sum them: each has collect(), like a metric."""
+
+    def __init__(self, metrics: ProxyMetrics, families: dict):
+        self._metrics, self._families = metrics, families
+
+    def __getattr__(self, attr: str):
+        metric = getattr(self._metrics, attr)
+        family = self._families.get(metric._name)  # noqa: SLF001 - prometheus_client keeps the name there
+        return metric if family is None else _Family(family)  # never counted anywhere: its own zeros
+
+
+class _Family:
+    def __init__(self, family):
+        self.family = family
+
+    def collect(self) -> list:
+        return [self.family]

@@ -55,17 +55,35 @@ class Instance:
     last_ok: float = field(default_factory=time.monotonic)  # its last answer: a request or a health check
     missing_since: float | None = None  # source registry: when it left the registry (None: registered)
     fingerprint: str | None = None  # its system_fingerprint, from the last stream that carried one
+    # proxy workers (router/workers.py): its row in the shared counters (-1: none yet) and the table
+    slot: int = -1
+    peers: object = None  # workers.Counters, or None with one worker
+
+    def peer_load(self) -> tuple[int, int, int]:
+        """The other workers' requests, tokens and KV blocks in flight on it."""
+        if self.peers is None or self.slot < 0:
+            return 0, 0, 0
+        return self.peers.others(self.slot)
+
+    @property
+    def total_requests(self) -> int:
+        """This proxy's requests in flight on it: every worker's."""
+        return self.active_requests + self.peer_load()[0]
 
     @property
     def priority(self) -> float:
-        own = self.active_tokens + KV_WEIGHT * self.active_kv if self.role == "prefill" else self.active_tokens
+        _, tokens, kv = self.peer_load()
+        tokens += self.active_tokens
+        own = tokens + KV_WEIGHT * (self.active_kv + kv) if self.role == "prefill" else tokens
         return own + self.others * self.request_tokens
 
     def summary(self) -> dict:
+        requests, tokens, kv = self.peer_load()
         return {"url": self.url, "role": self.role, "state": self.state, "source": self.source,
                 "instance_id": self.instance_id, "models": list(self.models),
-                "active_requests": self.active_requests, "active_tokens": self.active_tokens,
-                "active_kv": self.active_kv, "others": self.others, "kv_usage": self.kv_usage, "failures": self.failures, "served": self.served,
+                "active_requests": self.active_requests + requests, "active_tokens": self.active_tokens + tokens,
+                "active_kv": self.active_kv + kv, "others": self.others, "kv_usage": self.kv_usage,
+                "failures": self.failures, "served": self.served,
                 "last_error": self.last_error, "kv_connector": self.kv.connector if self.kv else ""}
 
     @property
@@ -113,6 +131,7 @@ class Pool:
         self.instances: dict[str, Instance] = {}
         self._heap: list[tuple[float, int, str, int]] = []
         self._seq = itertools.count()
+        self.peers = None  # workers.Counters: the other workers' load counts too (no heap: it changes under us)
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -129,12 +148,15 @@ class Pool:
                 existing.state = PROBING
             existing.source, existing.instance_id = source, instance_id or existing.instance_id
             return existing
-        inst = Instance(url=url, role=self.role, source=source, instance_id=instance_id)
+        inst = Instance(url=url, role=self.role, source=source, instance_id=instance_id, peers=self.peers)
         self.instances[url] = inst
         return inst
 
     def touch(self, inst: Instance) -> None:
         inst.version += 1
+        if self.peers is not None:
+            self.peers.write(inst)
+            return
         if inst.state == ACTIVE:
             heapq.heappush(self._heap, (inst.priority, next(self._seq), inst.url, inst.version))
         if len(self._heap) > 64 + 8 * len(self.instances):
@@ -152,6 +174,8 @@ class Pool:
 
     def select(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
         """The active instance with the lowest priority, skipping `exclude`."""
+        if self.peers is not None:
+            return self._scan(exclude)
         skipped = []
         chosen = None
         while self._heap:
@@ -171,6 +195,19 @@ class Pool:
             suspects = [i for i in self.instances.values() if i.state == SUSPECT and i.url not in exclude]
             chosen = min(suspects, key=lambda i: i.priority, default=None)
         return chosen
+
+    def _scan(self, exclude: frozenset[str]) -> Instance | None:
+        """select() with several workers: every priority read afresh (the others' counts move)."""
+        best = best_prio = None
+        for state in (ACTIVE, SUSPECT):
+            for inst in self.instances.values():
+                if inst.state == state and inst.url not in exclude:
+                    prio = inst.priority
+                    if best is None or prio < best_prio:
+                        best, best_prio = inst, prio
+            if best is not None or any(i.state == ACTIVE for i in self.instances.values()):
+                return best
+        return None
 
     def lease(self, inst: Instance, tokens: int, kv: int = 0) -> Lease:
         return Lease(self, inst, tokens, kv)
@@ -229,7 +266,12 @@ class Pools:
         return list(seen)
 
     def in_flight(self) -> int:
-        return sum(i.active_requests for i in self.all_instances())
+        return sum(i.total_requests for i in self.all_instances())
+
+    def share(self, peers) -> None:
+        """Several workers: count the others' load too (router/workers.py)."""
+        for pool in self.by_role.values():
+            pool.peers = peers
 
     def model_cards(self) -> list[dict]:
         """The engines' own /v1/models entries (one per model id, the serving roles' first), as vLLM
