@@ -19,7 +19,7 @@ import hashlib
 import ipaddress
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable, MutableMapping
 
 from litestar.connection import ASGIConnection
 
@@ -46,11 +46,14 @@ def _digest(session_id: str) -> bytes:
 
 class Access:
     def __init__(self, token: str, allow_unauthenticated: bool, port: int, secure: bool = False,
-                 ttl_s: float = 12 * 3600.0, max_sessions: int = 256, clock: Callable[[], float] = time.monotonic):
+                 ttl_s: float = 12 * 3600.0, max_sessions: int = 256, clock: Callable[[], float] = time.monotonic,
+                 sessions: MutableMapping[bytes, float] | None = None):
+        """`sessions`: where the sessions live (a dict; the proxy workers' shared table, so that a
+        login through one worker holds in all)."""
         self.token, self.allow_unauthenticated = token, allow_unauthenticated
         self.cookie = f"ascendserve_dashboard_{port}"
         self.secure, self.ttl_s, self.max_sessions, self.clock = secure, ttl_s, max_sessions, clock
-        self._sessions: dict[bytes, float] = {}  # sha256(session id) -> expiry
+        self._sessions = {} if sessions is None else sessions  # sha256(session id) -> expiry
 
     @property
     def login_enabled(self) -> bool:
@@ -75,7 +78,8 @@ class Access:
         if not self.token or not matches(presented, [self.token]):
             return None
         now = self.clock()
-        self._sessions = {k: v for k, v in self._sessions.items() if v > now}
+        for key in [k for k, v in self._sessions.items() if v <= now]:
+            self._sessions.pop(key, None)
         while len(self._sessions) >= self.max_sessions:  # the oldest go first
             self._sessions.pop(min(self._sessions, key=self._sessions.__getitem__))
         session_id = secrets.token_urlsafe(32)

@@ -20,17 +20,18 @@ class Dashboard:
         self.router: Router = dashboard_router(self.hub, access)
 
     @staticmethod
-    def access_for(config: Config) -> Access:
+    def access_for(config: Config, sessions=None) -> Access:
         return Access(config.cluster.token, config.cluster.allow_unauthenticated, config.server.port,
-                      secure=bool(config.server.tls_cert))
+                      secure=bool(config.server.tls_cert), sessions=sessions)
 
     @classmethod
-    def for_proxy(cls, config: Config, pools, metrics, upstream) -> "Dashboard":
+    def for_proxy(cls, config: Config, pools, metrics, upstream, sessions=None) -> "Dashboard":
+        """`sessions`: the logins' table shared by every proxy worker (router/workers.py)."""
         from ascendserve.dashboard.proxy_view import ProxySource
 
         source = ProxySource(f"proxy {config.server.host}:{config.server.port}", pools, metrics, upstream,
                              config.proxy.mode, config.proxy.encoder_fallback == "fail")
-        return cls(source, EventFeed(), cls.access_for(config))
+        return cls(source, EventFeed(), cls.access_for(config, sessions))
 
     @classmethod
     def for_metaserver(cls, config: Config, registry, upstream, push_asks=None) -> "Dashboard":

@@ -38,7 +38,7 @@ from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
 from ascendserve.router.pools import ACTIVE, ROLES, Pools, Readiness
 from ascendserve.router.tracing import Tracing
-from ascendserve.router.workers import Leader, Mirror, Relay, Worker
+from ascendserve.router.workers import Leader, Mirror, Relay, SharedSessions, Worker
 from ascendserve.tls import client_context
 from ascendserve.web.auth import bearer_guard
 from ascendserve.web.body_limit import body_limit
@@ -261,7 +261,8 @@ def create_app(config: Config, worker: Worker | None = None) -> Litestar:
     health_ = Relay(worker) if follower else HealthMonitor(pools, upstream, settings, *kv_hooks)
     if follower and events is not None:
         health_.on_state = kv_hooks[0]
-    dashboard = Dashboard.for_proxy(config, pools, metrics_, upstream)
+    dashboard = Dashboard.for_proxy(config, pools, metrics_, upstream,
+                                    SharedSessions(worker.shared) if worker is not None else None)
     health_.on_state = compose(health_.on_state, dashboard.feed.on_state)  # beside the KV index's hook
     watch = mirror = leader = None
     static = [config.cluster.metaserver_url.rstrip("/")] if config.cluster.metaserver_url else []

@@ -27,9 +27,10 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 
 import msgspec
@@ -50,15 +51,25 @@ POLL_S = 0.01  # followers look for a new table this often (one shared integer r
 RESTARTS, RESTART_WINDOW_S = 5, 60.0
 _HEADER = 64  # gen (int64), meta (int64: buffer << 40 | length)
 _FIELDS = 3  # requests, tokens, kv
+SESSIONS = 256  # dashboard logins (dashboard/access.py keeps at most as many)
+_SESSION = struct.Struct("32sd")  # sha256 of the session id, expiry (CLOCK_MONOTONIC: one clock for all)
 
 
-def worker_count(configured: int) -> int:
+def worker_count(configured: int, cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """`configured`, or (0) the cores given to this process: its CPU affinity, bounded by its
+    cgroup's CPU quota (a container's --cpus), at most AUTO_MAX."""
     if configured > 0:
         return configured
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    try:
+        quota, period = open(cpu_max).read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
     return max(1, min(AUTO_MAX, cores))
 
 
@@ -69,10 +80,11 @@ class Shared:
     def __init__(self, workers: int):
         self.workers = workers
         self._counters_at = _HEADER + 2 * SNAP_MAX
-        size = self._counters_at + workers * SLOTS * _FIELDS * 8
+        self.sessions_at = self._counters_at + workers * SLOTS * _FIELDS * 8
+        size = self.sessions_at + SESSIONS * _SESSION.size
         self.mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)  # pages are touched only when used
         self.header = memoryview(self.mm)[:16].cast("q")
-        self.counts = memoryview(self.mm)[self._counters_at:].cast("q")
+        self.counts = memoryview(self.mm)[self._counters_at:self.sessions_at].cast("q")
 
     # the instance table: one writer (the leader), readers retry a read the writer overtook
     def publish(self, data: bytes) -> bool:
@@ -99,6 +111,54 @@ class Shared:
     def clear_row(self, worker: int) -> None:
         start = worker * SLOTS * _FIELDS
         self.counts[start:start + SLOTS * _FIELDS] = memoryview(bytes(SLOTS * _FIELDS * 8)).cast("q")
+
+
+class SharedSessions(MutableMapping):
+    """The dashboard's login sessions in the shared mapping: a login through one worker holds in all.
+    Two logins at the same instant may take one slot: the first is then lost (log in again)."""
+
+    EMPTY = bytes(32)
+
+    def __init__(self, shared: Shared):
+        self.mm, self.at = shared.mm, shared.sessions_at
+
+    def _entries(self) -> Iterator[tuple[int, bytes, float]]:
+        for i in range(SESSIONS):
+            digest, expiry = _SESSION.unpack_from(self.mm, self.at + i * _SESSION.size)
+            if digest != self.EMPTY:
+                yield i, digest, expiry
+
+    def _find(self, key: bytes) -> tuple[int, float] | None:
+        return next(((i, e) for i, d, e in self._entries() if d == key), None)
+
+    def __getitem__(self, key: bytes) -> float:
+        found = self._find(key)
+        if found is None:
+            raise KeyError(key)
+        return found[1]
+
+    def __setitem__(self, key: bytes, expiry: float) -> None:
+        found = self._find(key)
+        if found is not None:
+            slot = found[0]
+        else:
+            used = {i: e for i, _, e in self._entries()}
+            slot = next((i for i in range(SESSIONS) if i not in used), None)
+            if slot is None:
+                slot = min(used, key=used.__getitem__)  # full: the oldest goes
+        _SESSION.pack_into(self.mm, self.at + slot * _SESSION.size, key, expiry)
+
+    def __delitem__(self, key: bytes) -> None:
+        found = self._find(key)
+        if found is None:
+            raise KeyError(key)
+        _SESSION.pack_into(self.mm, self.at + found[0] * _SESSION.size, self.EMPTY, 0.0)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter([d for _, d, _ in self._entries()])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._entries())
 
 
 class Counters:

@@ -47,12 +47,18 @@ def two_workers(*decode_urls):
     return shared, lead, follow, leader, mirror, changes
 
 
-def test_worker_count_defaults_to_the_cores_given_at_most_eight(monkeypatch):
+def test_worker_count_defaults_to_the_cores_given_at_most_eight(monkeypatch, tmp_path):
     assert workers.worker_count(3) == 3
+    none = str(tmp_path / "absent")
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(2)))
-    assert workers.worker_count(0) == 2
+    assert workers.worker_count(0, none) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(32)))
-    assert workers.worker_count(0) == workers.AUTO_MAX
+    assert workers.worker_count(0, none) == workers.AUTO_MAX
+    quota = tmp_path / "cpu.max"
+    quota.write_text("250000 100000\n")  # --cpus 2.5: 3 workers
+    assert workers.worker_count(0, str(quota)) == 3
+    quota.write_text("max 100000\n")
+    assert workers.worker_count(0, str(quota)) == workers.AUTO_MAX
 
 
 def test_table_round_trips_and_a_torn_read_is_retried():
@@ -217,3 +223,28 @@ def test_supervisor_gives_up_on_workers_that_keep_dying(monkeypatch):
         os._exit(workers.supervise(2, lambda w: 1))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 1
+
+
+def test_a_dashboard_login_through_one_worker_holds_in_the_others():
+    from ascendserve.dashboard.access import Access
+
+    shared = Shared(2)
+    now = [100.0]
+    one, two = (Access("tok", False, 8000, clock=lambda: now[0], max_sessions=3,
+                       sessions=workers.SharedSessions(shared)) for _ in range(2))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # worker 1 logs in
+        os.write(write, (one.login("tok") or "").encode())
+        os._exit(0)
+    session = os.read(read, 200).decode()
+    os.waitpid(pid, 0)
+    assert session and two.valid(session) and not two.valid(session + "x")
+    assert two.login("wrong") is None
+    others = [two.login("tok") for _ in range(3)]  # at most 3: the oldest (the first) goes
+    assert not two.valid(session) and all(two.valid(s) for s in others)
+    two.logout(others[0])
+    assert not one.valid(others[0]) and one.valid(others[1])
+    now[0] += 13 * 3600  # past the TTL
+    assert not one.valid(others[1])
+    assert len(workers.SharedSessions(shared)) == 1  # expired ones go at the next login or look-up
