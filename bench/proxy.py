@@ -1,8 +1,9 @@
-"""Proxy overhead: direct (the floor) vs ascendserve (with and without its token ledger, the
-price of mid-stream migration: --migration-limit 0 turns it off) vs vllm-ascend's example proxy
-vs vllm-router; the proxy's CPU per request beside each.
+"""Proxy overhead: direct (the floor) vs ascendserve with 1 and 2 workers (and 1 worker without
+its token ledger, the price of mid-stream migration: --migration-limit 0 turns it off) vs
+vllm-ascend's example proxy vs vllm-router; the proxy's CPU per request (all its processes)
+beside each. Give every proxy the same cores: run the whole bench under `taskset -c ...`.
 
-    python -m bench.proxy [--duration 5] [--concurrency 1 16 64 256]
+    python -m bench.proxy [--duration 5] [--concurrency 1 16 64 256] [--workers 1 2]
         [--vllm-ascend-proxy FILE | --vllm-ascend-repo GITDIR] [--vllm-router BIN]
 
 Fast stub P and D instances (tests/stub_backend.py, no model) stand behind
@@ -113,10 +114,24 @@ def vllm_router(args, tmp: Path, p: Proc, d: Proc) -> Proc | None:
     return Proc("vllm-router", argv, port, tmp / "vllm-router.log", {}, "/health")
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a process and its live descendants (a proxy's workers)."""
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="ascendserve's [proxy] workers to run")
     ap.add_argument("--vllm-ascend-proxy", default="")
     ap.add_argument("--vllm-ascend-repo", default="/work/.mirror/vllm-project+vllm-ascend/repo")
     ap.add_argument("--vllm-router", default="/root/.venvs/vllm-router/bin/vllm-router")
@@ -126,10 +141,11 @@ def main() -> None:
         tmp = Path(t)
         p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv")
         start_all(p, d)
+        ours = [(f"ascendserve, {n} worker{'s' if n > 1 else ''}", ("--workers", str(n))) for n in args.workers]
+        ours.append(("ascendserve, no ledger", ("--workers", "1", "--migration-limit", "0")))
         candidates = {name: control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}", "--decode",
                                     f"127.0.0.1:{d.port}", "--log-level", "warning", *extra)
-                      for name, extra in (("ascendserve proxy", ()),
-                                          ("ascendserve, no ledger", ("--migration-limit", "0")))}
+                      for name, extra in ours}
         for name, make in (("vllm-ascend proxy", vllm_ascend_proxy), ("vllm-router", vllm_router)):
             proc = make(args, tmp, p, d)
             if proc is None:
@@ -148,11 +164,10 @@ def main() -> None:
                     time.sleep(0.2)
                 results[name] = {}
                 for c in args.concurrency:
-                    cpu = psutil.Process(proc.pid).cpu_times()
+                    cpu = tree_cpu(proc.pid)
                     r = asyncio.run(load(lambda s, u=proc.url: one_via_proxy(s, u), c, args.duration))
-                    spent = psutil.Process(proc.pid).cpu_times()
-                    # the proxy's CPU per request (its warm-up second included in both terms)
-                    r["cpu_ms"] = 1000 * (spent.user + spent.system - cpu.user - cpu.system) / max(1, r["calls"])
+                    # the proxy's CPU per request, every process of it (its warm-up second included in both terms)
+                    r["cpu_ms"] = 1000 * (tree_cpu(proc.pid) - cpu) / max(1, r["calls"])
                     results[name][c] = r
             except Exception as exc:
                 print(f"{name}: failed: {exc}")
@@ -162,6 +177,7 @@ def main() -> None:
         p.stop(), d.stop()
     floor = results["direct (floor)"]
     peer = results.get("vllm-ascend proxy")
+    router = results.get("vllm-router")
     bare = results.get("ascendserve, no ledger")
     rows = []
     for name, by_c in results.items():
@@ -169,11 +185,12 @@ def main() -> None:
             rows.append([name, c, r["rps"], r["p50_ms"], r["p99_ms"], r["p50_ms"] - floor[c]["p50_ms"],
                          r["p99_ms"] - floor[c]["p99_ms"], r["rps"] / floor[c]["rps"],
                          (r["rps"] / peer[c]["rps"]) if peer and c in peer else float("nan"),
+                         (r["rps"] / router[c]["rps"]) if router and c in router else float("nan"),
                          r.get("cpu_ms", float("nan")),
                          (r["rps"] / bare[c]["rps"]) if bare and c in bare else float("nan"), r["errors"]])
     table(f"P->D through each proxy, stub backends, 16 streamed tokens, {args.duration:.0f} s per point "
           f"(decode protocol errors: {protocol_errors})",
-          ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend",
+          ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend", "x vllm-router",
            "proxy CPU ms/req", "x no ledger", "errors"],
           rows)
     save("proxy", {"args": vars(args), "results": {k: {str(c): v for c, v in by.items()} for k, by in results.items()},

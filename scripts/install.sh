@@ -104,7 +104,8 @@ stamp_text() {
 apt_packages() {
     # libibverbs1: Mooncake's transfer engine loads it even over TCP.
     # memcached: the EC store backend and its tests.
-    # etcd-server: the etcd registry backend's tests (a 3-member cluster on 127.0.0.1) and `all` on etcd.
+    # etcd-server: the etcd registry backend's tests (a 3-member cluster on 127.0.0.1) and `all` on etcd;
+    # etcd-client: etcdctl, which the TLS test uses to turn on etcd's authentication.
     # systemd: systemd-analyze, which verifies the release's units (tests).
     # chromium, chromium-driver: the dashboard's browser test (headless Chromium driven by Selenium).
     # cmake, ninja-build, g++: the native/ ops.
@@ -112,6 +113,7 @@ apt_packages() {
     dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
     command -v memcached >/dev/null 2>&1 || missing+=(memcached)
     command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+    command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
     command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)

@@ -58,6 +58,7 @@ class Instance:
     # proxy workers (router/workers.py): its row in the shared counters (-1: none yet) and the table
     slot: int = -1
     peers: object = None  # workers.Counters, or None with one worker
+    touched: int = 0  # when its counters or state last changed (its pool's sequence): ties go to the oldest
 
     def peer_load(self) -> tuple[int, int, int]:
         """The other workers' requests, tokens and KV blocks in flight on it."""
@@ -154,6 +155,7 @@ class Pool:
 
     def touch(self, inst: Instance) -> None:
         inst.version += 1
+        inst.touched = next(self._seq)
         if self.peers is not None:
             self.peers.write(inst)
             return
@@ -197,14 +199,15 @@ class Pool:
         return chosen
 
     def _scan(self, exclude: frozenset[str]) -> Instance | None:
-        """select() with several workers: every priority read afresh (the others' counts move)."""
-        best = best_prio = None
+        """select() with several workers: every priority read afresh (the others' counts move); of
+        equal ones the least recently used, as the heap's order has it."""
+        best = best_key = None
         for state in (ACTIVE, SUSPECT):
             for inst in self.instances.values():
                 if inst.state == state and inst.url not in exclude:
-                    prio = inst.priority
-                    if best is None or prio < best_prio:
-                        best, best_prio = inst, prio
+                    key = (inst.priority, inst.touched)
+                    if best is None or key < best_key:
+                        best, best_key = inst, key
             if best is not None or any(i.state == ACTIVE for i in self.instances.values()):
                 return best
         return None

@@ -248,3 +248,17 @@ def test_a_dashboard_login_through_one_worker_holds_in_the_others():
     now[0] += 13 * 3600  # past the TTL
     assert not one.valid(others[1])
     assert len(workers.SharedSessions(shared)) == 1  # expired ones go at the next login or look-up
+
+
+def test_requests_one_after_another_take_turns_as_with_one_worker():
+    """Equal load: the least recently used instance, like the single process's heap order."""
+    shared, lead, follow, leader, mirror, _ = two_workers("http://d1", "http://d2", "http://d3")
+    leader.publish()
+    mirror.poll()
+    for pools in (lead, follow):
+        chosen = []
+        for _ in range(6):
+            inst = pools["decode"].select()
+            pools["decode"].lease(inst, 10).release()
+            chosen.append(inst.url)
+        assert sorted(chosen[:3]) == ["http://d1", "http://d2", "http://d3"] and chosen[3:] == chosen[:3]
