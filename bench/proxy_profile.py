@@ -27,16 +27,30 @@ from bench.proxy import load, one_via_proxy
 from tests.procs import control, start_all, stub
 
 
+def _path(frame: str) -> str:
+    return frame[frame.rfind("(") + 1:].split(":")[0].rstrip(")")
+
+
+def function_of(frame: str) -> str:
+    """'func (path/to/file.py:12)' -> 'func (path/to/file.py)': one entry per function, not per line."""
+    return f"{frame[:frame.rfind('(')].strip()} ({_path(frame)})"
+
+
+def ours(frame: str) -> bool:
+    path = _path(frame)
+    return path.startswith(("ascendserve/", "roles/")) or "/ascendserve/" in path
+
+
 def package_of(frame: str) -> str:
-    """'func (path/to/file.py:12)' -> a short owner: ascendserve module, or the library's top package."""
-    path = frame[frame.rfind("(") + 1:].split(":")[0]
-    if "/ascendserve/" in path:
-        return "ascendserve/" + path.split("/ascendserve/", 1)[1].rsplit(".", 1)[0]
+    """A short owner: our module (py-spy writes paths short), or a library's top package."""
+    path = _path(frame)
+    if ours(frame):
+        return path.rsplit(".", 1)[0]
     if "site-packages/" in path:
-        return path.split("site-packages/", 1)[1].split("/")[0]
-    if "/lib/python3" in path:
+        path = path.split("site-packages/", 1)[1]
+    if "/lib/python3" in path or "/" not in path:
         return "stdlib/" + path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    return path or "?"
+    return path.split("/")[0]
 
 
 def summarize(collapsed: Path, top: int) -> None:
@@ -51,9 +65,9 @@ def summarize(collapsed: Path, top: int) -> None:
         n = int(count)
         frames = stack.split(";")
         total += n
-        own[frames[-1]] += n
+        own[function_of(frames[-1])] += n
         packages[package_of(frames[-1])] += n
-        for frame in set(frames):
+        for frame in {function_of(f) for f in frames}:
             inclusive[frame] += n
     if not total:
         print("no samples")
@@ -66,8 +80,8 @@ def summarize(collapsed: Path, top: int) -> None:
     for name, n in own.most_common(top):
         print(f"  {100 * n / total:5.1f}%  {name}")
     print(f"\ninclusive time, ascendserve functions (top {top})")
-    ours = [(f, n) for f, n in inclusive.items() if "/ascendserve/" in f]
-    for name, n in sorted(ours, key=lambda x: -x[1])[:top]:
+    mine = [(f, n) for f, n in inclusive.items() if ours(f)]
+    for name, n in sorted(mine, key=lambda x: -x[1])[:top]:
         print(f"  {100 * n / total:5.1f}%  {name}")
 
 
@@ -77,6 +91,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--save", default="", help="keep py-spy's collapsed stacks here (flamegraph.pl, speedscope)")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
@@ -96,12 +111,14 @@ def main() -> None:
                       "--format", "raw", "--nonblocking", "--output", str(out)]
             result: dict = {}
             runner = threading.Thread(target=lambda: result.update(
-                asyncio.run(load(lambda s: one_via_proxy(s, proxy.url), args.concurrency, args.seconds + 2, 1.0)))))
+                asyncio.run(load(lambda s: one_via_proxy(s, proxy.url), args.concurrency, args.seconds + 2, 1.0))))
             runner.start()
             subprocess.run(record, check=True, capture_output=True)
             runner.join()
             print(f"load: c={args.concurrency}, {result.get('rps', 0):.0f} req/s, errors {result.get('errors')}")
             summarize(out, args.top)
+            if args.save:
+                shutil.copy(out, args.save)
         finally:
             for proc in (proxy, p, d):
                 proc.stop()
