@@ -177,6 +177,11 @@ class Counters:
             self.counts[at], self.counts[at + 1], self.counts[at + 2] = (
                 inst.active_requests, inst.active_tokens, inst.active_kv)
 
+    def clear(self, slot: int) -> None:
+        """This worker's counts in `slot` back to zero (the instance moved to another slot)."""
+        at = self.row + slot * _FIELDS
+        self.counts[at] = self.counts[at + 1] = self.counts[at + 2] = 0
+
     def others(self, slot: int) -> tuple[int, int, int]:
         c, base = self.counts, slot * _FIELDS
         requests = tokens = kv = 0
@@ -364,7 +369,9 @@ class Mirror:
             inst.source, inst.instance_id, inst.models, inst.root = e.source, e.instance_id, tuple(e.models), e.root
             inst.cards, inst.last_error, inst.kv, inst.cache = tuple(e.cards), e.last_error, e.kv, e.cache
             inst.others, inst.kv_usage, inst.failures, inst.served = e.others, e.kv_usage, e.failures, e.served
-            if inst.slot != e.slot:
+            if inst.slot != e.slot:  # new, or a restarted worker 0 numbered the slots anew
+                if inst.slot >= 0:
+                    pool.peers.clear(inst.slot)
                 inst.slot = e.slot
                 pool.touch(inst)
             if inst.state != e.state:

@@ -262,3 +262,26 @@ def test_requests_one_after_another_take_turns_as_with_one_worker():
             pools["decode"].lease(inst, 10).release()
             chosen.append(inst.url)
         assert sorted(chosen[:3]) == ["http://d1", "http://d2", "http://d3"] and chosen[3:] == chosen[:3]
+
+
+def test_a_restarted_leader_numbering_slots_anew_leaves_no_stale_load():
+    shared, lead, follow, leader, mirror, _ = two_workers("http://d1", "http://d2")
+    leader.publish()
+    mirror.poll()
+    fd1 = follow["decode"].instances["http://d1"]
+    lease = follow["decode"].lease(fd1, 40)
+    old = fd1.slot
+    # worker 0 restarts: fresh pools, slots from the start again, d2 first this time
+    shared.clear_row(0)
+    lead2 = Pools()
+    lead2.share(Counters(shared, 0))
+    for url in ("http://d2", "http://d1"):
+        lead2["decode"].set_state(lead2["decode"].add(url), ACTIVE)
+    leader2 = Leader(worker(shared, 0), lead2, FakeHealth(), None)
+    leader2.publish()
+    mirror.poll()
+    assert fd1.slot != old
+    assert lead2["decode"].instances["http://d1"].peer_load() == (1, 40, 0)  # the follower's stream, moved
+    assert lead2["decode"].instances["http://d2"].peer_load() == (0, 0, 0)  # not left in d1's old slot
+    lease.release()
+    assert lead2["decode"].instances["http://d1"].peer_load() == (0, 0, 0)
