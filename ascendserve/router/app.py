@@ -36,7 +36,7 @@ from ascendserve.router.kv_route import KVRouter
 from ascendserve.router.ec import ECLookup
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.pipeline import Pipeline
-from ascendserve.router.pools import ACTIVE, ROLES, Pools, Readiness
+from ascendserve.router.pools import ACTIVE, DRAINING, ROLES, Pools, Readiness
 from ascendserve.router.tracing import Tracing
 from ascendserve.router.workers import Leader, Mirror, Relay, SharedSessions, Worker
 from ascendserve.tls import client_context
@@ -47,6 +47,7 @@ from ascendserve.web.upstream import Upstream, UpstreamError, engine_headers
 
 log = structlog.get_logger("ascendserve.proxy")
 ADMIN_TYPES = ("prefill", "decode", "encoder", "pd")
+ADMIN_CONFIRM_S = 5.0  # a follower worker waits this long for worker 0 to make an admin change
 
 
 async def _serve(kind: str, request: Request, state: State) -> Response | Stream:
@@ -161,10 +162,14 @@ def _current(pools: Pools) -> dict:
 @post("/instances/add", status_code=200)
 async def instances_add(request: Request, state: State) -> dict:
     role, urls = _admin_body(await request.body())
-    for url in urls:
-        _add(state.pools, state.health, state.dashboard, role, url, "through /instances/add")
-        if state.relay is not None:
-            state.relay.tell("add", role, url)  # worker 0 probes it; its table says when it is active
+    if state.mirror is not None:  # another worker than 0: worker 0 adds them, and this one waits to see it
+        await _through_worker_0(state, "add", role, urls,
+                                lambda: all(u in state.pools[role].instances for u in urls))
+    else:
+        for url in urls:
+            _add(state.pools, state.health, state.dashboard, role, url, "through /instances/add")
+        if state.leader is not None:
+            state.leader.publish()  # the other workers see it within their next look
     log.info("instances added (probing)", role=role, urls=urls)
     return {"message": f"Instances {urls} are waiting to be added.", **_current(state.pools)}
 
@@ -172,17 +177,31 @@ async def instances_add(request: Request, state: State) -> dict:
 @post("/instances/remove", status_code=200)
 async def instances_remove(request: Request, state: State) -> dict:
     role, urls = _admin_body(await request.body())
-    draining = []
-    for url in urls:
-        inst = _drain(state.pools, state.dashboard, role, url)
-        if inst is not None and inst.total_requests:
-            draining.append(url)
-        if state.relay is not None:
-            state.relay.tell("drain", role, url)
+    draining = [u for u in urls if (i := state.pools[role].instances.get(u)) is not None and i.total_requests]
+    if state.mirror is not None:
+        pool = state.pools[role]
+        await _through_worker_0(state, "drain", role, urls, lambda: all(
+            (i := pool.instances.get(u)) is None or i.state == DRAINING for u in urls))
+    else:
+        for url in urls:
+            _drain(state.pools, state.dashboard, role, url)
+        if state.leader is not None:
+            state.leader.publish()
     log.info("instances removed", role=role, urls=urls, draining=draining)
     message = (f"Instances {draining} are isolated and waiting to be removed." if draining
                else f"remove {role} instances: {urls}.")
     return {"message": message, **_current(state.pools)}
+
+
+async def _through_worker_0(state: State, op: str, role: str, urls: list[str], done) -> None:
+    """An admin change made by worker 0, which decides membership for every worker; answered
+    once this worker's copy of its table shows it (the others look as often)."""
+    for url in urls:
+        state.relay.tell(op, role, url)
+    if not await state.mirror.until(done, ADMIN_CONFIRM_S):
+        raise APIError(503, f"proxy worker 0 did not confirm the change within {ADMIN_CONFIRM_S:.0f} s "
+                            "(it may be restarting); send it again", type="service_unavailable",
+                       code="worker_unavailable")
 
 
 def _add(pools: Pools, health, dashboard: Dashboard, role: str, url: str, how: str) -> None:
@@ -320,7 +339,7 @@ def create_app(config: Config, worker: Worker | None = None) -> Litestar:
 
     state = State({"pools": pools, "pipeline": pipeline, "metrics": metrics_, "health": health_,
                    "upstream": upstream, "watch": watch, "settings": settings, "dashboard": dashboard,
-                   "relay": health_ if follower else None,
+                   "relay": health_ if follower else None, "mirror": mirror, "leader": leader,
                    "stop_hooks": [dashboard.hub.stop]})  # web/server: end the event streams on SIGTERM
     client = Router(path="/", route_handlers=[chat, completions, models],
                     guards=[bearer_guard(settings.api_keys, "API key")])

@@ -293,10 +293,9 @@ class Leader:
             return
         if note.op == "wake":
             self.health.wake()
-        elif note.op == "add" and note.role in ROLES:
-            self.on_add(note.role, note.url)
-        elif note.op == "drain" and note.role in ROLES:
-            self.on_drain(note.role, note.url)
+        elif note.op in ("add", "drain") and note.role in ROLES:
+            (self.on_add if note.op == "add" else self.on_drain)(note.role, note.url)
+            self.publish()  # the worker that asked waits to see it
         elif note.op in ("failure", "suspect") and (inst := self.pools[note.role].instances.get(note.url)):
             (self.health.report_failure if note.op == "failure" else self.health.suspect)(inst)
 
@@ -397,6 +396,17 @@ class Mirror:
     async def run(self) -> None:
         while True:
             self.poll()
+            await asyncio.sleep(POLL_S)
+
+    async def until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Look at the leader's table until `done()` holds (True) or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if done():
+                return True
+            if time.monotonic() >= deadline:
+                return False
             await asyncio.sleep(POLL_S)
 
 

@@ -51,22 +51,29 @@ def sse_events(text: str) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def pd_cluster(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("proxy-stub-logs")
+def one_p_two_d(logs, proxy_conf: str, decode_flags: tuple, api_key: str = API_KEY, token: str = TOKEN):
+    """A prefill stub, two decode stubs (`decode_flags`) and a proxy with `proxy_conf` ([proxy]
+    lines) in front of them, healthy; the caller stops them."""
     conf = logs / "proxy.toml"
-    conf.write_text("[proxy]\nmax_body_mb = 1.0\nhealth_interval_s = 0.5\neject_after = 2\n")
+    conf.write_text("[proxy]\n" + proxy_conf)
     p = stub("prefill", logs)
-    d1 = stub("decode", logs, "--require-kv", "--token-delay-ms", "5")
-    d2 = stub("decode", logs, "--require-kv", "--token-delay-ms", "5")
+    d1 = stub("decode", logs, "--require-kv", *decode_flags)
+    d2 = stub("decode", logs, "--require-kv", *decode_flags)
     start_all(p, d1, d2)
     proxy = control("proxy", logs, "--config", str(conf), "--prefill", f"127.0.0.1:{p.port}",
                     "--decode", f"127.0.0.1:{d1.port}", f"127.0.0.1:{d2.port}",
-                    "--api-key", API_KEY, "--cluster-token", TOKEN)
+                    "--api-key", api_key, "--cluster-token", token)
     start_all(proxy)
     wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
-    yield proxy, p, d1, d2
-    for proc in (proxy, p, d1, d2):
+    return proxy, p, d1, d2
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(tmp_path_factory):
+    procs = one_p_two_d(tmp_path_factory.mktemp("proxy-stub-logs"),
+                        "max_body_mb = 1.0\nhealth_interval_s = 0.5\neject_after = 2\n", ("--token-delay-ms", "5"))
+    yield procs
+    for proc in procs:
         proc.stop()
 
 

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.test_proxy_stubs import stats, wait_for
+from tests.integration.test_proxy_stubs import one_p_two_d, stats, wait_for
 from tests.procs import control, start_all, stub
 
 pytestmark = pytest.mark.integration
@@ -26,20 +26,11 @@ STREAMS = 100
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("proxy-workers-logs")
-    conf = logs / "proxy.toml"
-    conf.write_text("[proxy]\nhealth_interval_s = 0.5\neject_after = 2\nworkers = 2\n")
-    p = stub("prefill", logs)
-    d1 = stub("decode", logs, "--require-kv", "--tokens", "2000", "--token-delay-ms", "20")
-    d2 = stub("decode", logs, "--require-kv", "--tokens", "2000", "--token-delay-ms", "20")
-    start_all(p, d1, d2)
-    proxy = control("proxy", logs, "--config", str(conf), "--prefill", f"127.0.0.1:{p.port}",
-                    "--decode", f"127.0.0.1:{d1.port}", f"127.0.0.1:{d2.port}",
-                    "--api-key", API_KEY, "--cluster-token", TOKEN)
-    start_all(proxy)
-    wait_for(lambda: httpx.get(proxy.url + "/health").status_code == 200)
-    yield proxy, p, d1, d2
-    for proc in (proxy, p, d1, d2):
+    procs = one_p_two_d(tmp_path_factory.mktemp("proxy-workers-logs"),
+                        "health_interval_s = 0.5\neject_after = 2\nworkers = 2\n",
+                        ("--tokens", "2000", "--token-delay-ms", "20"), API_KEY, TOKEN)
+    yield procs
+    for proc in procs:
         proc.stop()
 
 
