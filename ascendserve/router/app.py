@@ -262,7 +262,8 @@ def create_app(config: Config, worker: Worker | None = None) -> Litestar:
     settings = config.proxy
     pools = Pools()
     if worker is not None:
-        pools.share(worker.counters())
+        counters = worker.counters()
+        pools.share(counters)
     for role in ROLES:
         for url in getattr(settings, role):
             pools[role].add(url, source="static")
@@ -278,6 +279,8 @@ def create_app(config: Config, worker: Worker | None = None) -> Litestar:
         metrics_.watch_kv(events)
     kv_hooks = (follow_states(events), lambda: sync(events, pools)) if events is not None else ()
     health_ = Relay(worker) if follower else HealthMonitor(pools, upstream, settings, *kv_hooks)
+    if follower:
+        counters.on_learned = lambda inst: health_.tell("fingerprint", inst.role, inst.url, inst.fingerprint or "")
     if follower and events is not None:
         health_.on_state = kv_hooks[0]
     dashboard = Dashboard.for_proxy(config, pools, metrics_, upstream,

@@ -107,7 +107,7 @@ class Generation:
                             yield out
                     ok = True
                     if led.fingerprint is not None:  # for a later answer whose usage event never comes
-                        self.leg.instance.fingerprint = led.fingerprint
+                        self.leg.instance.remember_fingerprint(led.fingerprint)
                     return
                 except BackendFailed as failure:
                     inst = self.leg.instance

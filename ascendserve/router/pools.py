@@ -60,6 +60,13 @@ class Instance:
     peers: object = None  # workers.Counters, or None with one worker
     touched: int = 0  # when its counters or state last changed (its pool's sequence): ties go to the oldest
 
+    def remember_fingerprint(self, value: str) -> None:
+        """Its system_fingerprint, from a finished answer; every proxy worker learns it."""
+        if value != self.fingerprint:
+            self.fingerprint = value
+            if self.peers is not None:
+                self.peers.learned(self)
+
     def peer_load(self) -> tuple[int, int, int]:
         """The other workers' requests, tokens and KV blocks in flight on it."""
         if self.peers is None or self.slot < 0:

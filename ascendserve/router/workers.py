@@ -170,6 +170,12 @@ class Counters:
         self.row = worker * SLOTS * _FIELDS
         self.stride = SLOTS * _FIELDS
         self.rows = [w * self.stride for w in range(shared.workers) if w != worker]
+        self.on_learned: Callable[[Instance], None] | None = None  # a follower: tell worker 0
+
+    def learned(self, inst: Instance) -> None:
+        """This worker learned something of `inst` the others want (its fingerprint)."""
+        if self.on_learned is not None:
+            self.on_learned(inst)
 
     def write(self, inst: Instance) -> None:
         if inst.slot >= 0:
@@ -210,6 +216,7 @@ class Entry(msgspec.Struct, kw_only=True):
     kv_usage: float = 0.0
     failures: int = 0
     served: int = 0
+    fingerprint: str | None = None
 
 
 class Table(msgspec.Struct, kw_only=True):
@@ -219,10 +226,11 @@ class Table(msgspec.Struct, kw_only=True):
 
 class Note(msgspec.Struct, kw_only=True):
     """Follower -> leader: `failure` (a hop failed), `suspect` (it stalled), `add`, `drain` (the
-    admin API), `wake` (probe now)."""
+    admin API), `wake` (probe now), `fingerprint` (its system_fingerprint is `value`)."""
     op: str
     role: str = ""
     url: str = ""
+    value: str = ""
 
 
 @dataclass
@@ -273,7 +281,7 @@ class Leader:
                                  instance_id=inst.instance_id, models=list(inst.models), root=inst.root,
                                  cards=list(inst.cards), last_error=inst.last_error, kv=inst.kv, cache=inst.cache,
                                  others=inst.others, kv_usage=inst.kv_usage, failures=inst.failures,
-                                 served=inst.served))
+                                 served=inst.served, fingerprint=inst.fingerprint))
         return msgspec.json.encode(Table(instances=entries, metaservers=list(self.metaservers())))
 
     def publish(self) -> None:
@@ -296,6 +304,9 @@ class Leader:
         elif note.op in ("add", "drain") and note.role in ROLES:
             (self.on_add if note.op == "add" else self.on_drain)(note.role, note.url)
             self.publish()  # the worker that asked waits to see it
+        elif note.op == "fingerprint" and note.role in ROLES and note.value and \
+                (inst := self.pools[note.role].instances.get(note.url)):
+            inst.fingerprint = note.value
         elif note.op in ("failure", "suspect") and (inst := self.pools[note.role].instances.get(note.url)):
             (self.health.report_failure if note.op == "failure" else self.health.suspect)(inst)
 
@@ -331,9 +342,9 @@ class Relay:
         self._sock.setblocking(False)
         self.on_state = lambda inst, state, before: None
 
-    def tell(self, op: str, role: str = "", url: str = "") -> None:
+    def tell(self, op: str, role: str = "", url: str = "", value: str = "") -> None:
         try:
-            self._sock.sendto(msgspec.json.encode(Note(op=op, role=role, url=url)), self.address)
+            self._sock.sendto(msgspec.json.encode(Note(op=op, role=role, url=url, value=value)), self.address)
         except OSError as exc:  # the leader is restarting: its health checks see the same
             log.warning("proxy worker 0 did not take a note", op=op, url=url, error=repr(exc))
 
@@ -368,6 +379,8 @@ class Mirror:
             inst.source, inst.instance_id, inst.models, inst.root = e.source, e.instance_id, tuple(e.models), e.root
             inst.cards, inst.last_error, inst.kv, inst.cache = tuple(e.cards), e.last_error, e.kv, e.cache
             inst.others, inst.kv_usage, inst.failures, inst.served = e.others, e.kv_usage, e.failures, e.served
+            if e.fingerprint is not None:
+                inst.fingerprint = e.fingerprint
             if inst.slot != e.slot:  # new, or a restarted worker 0 numbered the slots anew
                 if inst.slot >= 0:
                     pool.peers.clear(inst.slot)

@@ -25,7 +25,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 
 from ascendserve.models.tiny import build_tokenizer  # noqa: E402
-from ascendserve.router import ledger  # noqa: E402
+from ascendserve.router import ledger, pools  # noqa: E402
 from ascendserve.router.ledger import BackendFailed  # noqa: E402
 from ascendserve.router.migrate import Generation  # noqa: E402
 
@@ -76,9 +76,8 @@ def reads(evs: list[dict], rng: random.Random) -> list[list[dict]]:
     return out
 
 
-class Instance:
-    def __init__(self, url: str):
-        self.url, self.state = url, "healthy"
+def Instance(url: str) -> pools.Instance:  # noqa: N802 - the real thing, active
+    return pools.Instance(url=url, role="decode", state=pools.ACTIVE)
 
 
 class EngineLeg:

@@ -75,8 +75,10 @@ def test_the_follower_mirrors_states_and_fields_and_forgets_what_the_leader_drop
     shared, lead, follow, leader, mirror, changes = two_workers("http://d1", "http://d2")
     lead["decode"].instances["http://d1"].kv = KVInfo(connector="ascendserve", host="h", port=7)
     lead["decode"].instances["http://d2"].models = ("m",)
+    lead["decode"].instances["http://d2"].remember_fingerprint("fp-2")
     leader.publish()
     mirror.poll()
+    assert follow["decode"].instances["http://d2"].fingerprint == "fp-2"
     d1, d2 = follow["decode"].instances["http://d1"], follow["decode"].instances["http://d2"]
     assert (d1.state, d2.state, d1.kv.port, d2.models) == (ACTIVE, ACTIVE, 7, ("m",))
     assert sorted(changes) == [("http://d1", PROBING, ACTIVE), ("http://d2", PROBING, ACTIVE)]
@@ -153,6 +155,7 @@ def test_notes_from_a_follower_reach_the_leader_over_the_datagram_socket():
         relay.tell("add", "nonsense", "http://x")  # unknown role: ignored
         leader.note(b"not json")  # ignored, logged
         relay.wake()
+        relay.tell("fingerprint", "decode", "http://d1", "vllm-fp-1")  # learned by a follower
         await asyncio.sleep(0.1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -160,7 +163,10 @@ def test_notes_from_a_follower_reach_the_leader_over_the_datagram_socket():
     asyncio.run(main())
     assert health.calls == [("failure", "http://d1"), ("suspect", "http://d1"), ("wake", None)]
     assert added == [("prefill", "http://p9")]
-    assert msgspec.json.decode(leader._last, type=Table).instances[0].url == "http://d1"
+    assert d1.fingerprint == "vllm-fp-1"
+    leader.publish()
+    entry = msgspec.json.decode(leader._last, type=Table).instances[0]
+    assert (entry.url, entry.fingerprint) == ("http://d1", "vllm-fp-1")  # every follower learns it
 
 
 def test_counters_cross_processes():
