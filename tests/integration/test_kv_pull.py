@@ -109,8 +109,8 @@ def test_repeats_and_shared_prefixes_are_pulled_not_recomputed(pull_cluster):
     again finishes within twice its first run (a stalled pull waits for the KV TTL)."""
     c = pull_cluster
     before = pulls(c)
-    check_repeats(c["proxy"].url, c["oracle"].url, c["model"], text(5, 300))
-    sent = 3 + check_shared_prefixes(c["proxy"].url, c["oracle"].url, c["model"], seed=5)
+    sent = check_repeats(c["proxy"].url, c["oracle"].url, c["model"], text(5, 300))
+    sent += check_shared_prefixes(c["proxy"].url, c["oracle"].url, c["model"], seed=5)
     assert pulls(c) == before + sent, "a repeated or shared-prefix prompt was not pulled"
     assert not events(c["decode"], "KV pull failed")
 

@@ -78,8 +78,8 @@ def test_repeats_and_shared_prefixes_are_pushed_not_recomputed(push_cluster):
     again finishes as fast as the first time (a missed push stalled it for the KV TTL)."""
     c = push_cluster
     before = received(c)
-    check_repeats(c["proxy"].url, c["oracle"].url, c["model"], text(7, 300))
-    sent = 3 + check_shared_prefixes(c["proxy"].url, c["oracle"].url, c["model"], seed=7)
+    sent = check_repeats(c["proxy"].url, c["oracle"].url, c["model"], text(7, 300))
+    sent += check_shared_prefixes(c["proxy"].url, c["oracle"].url, c["model"], seed=7)
     assert received(c) == before + sent
     assert not events(c["decode"], "pushed KV never completed; failing the load")
     assert not events(c["prefill"], "prefill finished before its KV was pushed; decode is told to recompute")

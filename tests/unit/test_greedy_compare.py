@@ -70,10 +70,10 @@ def test_the_bf16_allowance_is_wider_and_still_bounded(oracle):
 
 def test_a_slow_repeat_is_timed_again_and_fails_only_when_slow_every_time():
     again = iter([9.0, 0.3])
-    traffic.check_repeat_times([0.2, 0.25, 4.0], lambda: next(again), "noise")  # slow once, then fast
+    assert traffic.check_repeat_times([0.2, 0.25, 4.0], lambda: next(again), "noise") == 2  # slow once, then fast
     with pytest.raises(AssertionError, match=r"repeat 3 took 4.00 s at best \(tries \[5.0, 4.0, 6.0\]\)"):
         slow = iter([4.0, 6.0])
         traffic.check_repeat_times([0.2, 0.25, 5.0], lambda: next(slow), "fallback")
     calls = []
-    traffic.check_repeat_times([0.2, 3.1, 0.3], lambda: calls.append(1) or 0.1, "within the bound")
+    assert traffic.check_repeat_times([0.2, 3.1, 0.3], lambda: calls.append(1) or 0.1, "within the bound") == 0
     assert calls == []
