@@ -63,20 +63,21 @@ class ProxySource:
     # ---- the figures ----------------------------------------------------------------------------
     def instance(self, inst: Instance) -> dict:
         registered = inst.source == "registry"
+        _, tokens, kv = inst.peer_load()  # every proxy worker's
         return {"url": inst.url, "role": inst.role, "state": inst.state, "source": inst.source,
                 "id": inst.instance_id, "models": list(inst.models),
                 "in_flight": inst.total_requests, "others": inst.others if registered else None,
                 "running": None, "waiting": None,
                 "kv_usage": inst.kv_usage if registered else None,
-                "active_kv": inst.active_kv if inst.role == "prefill" else None,
-                "active_tokens": inst.active_tokens, "served": inst.served, "failures": inst.failures,
+                "active_kv": inst.active_kv + kv if inst.role == "prefill" else None,
+                "active_tokens": inst.active_tokens + tokens, "served": inst.total_served, "failures": inst.failures,
                 "last_error": inst.last_error, "kv_connector": inst.kv_connector, "kv": self.kv.of(inst.url)}
 
     def totals(self) -> dict:
         m = self.metrics.summed()
         statuses = by_label(m.requests, "status")
         skips, fallbacks = total(m.encoder_skips), total(m.fallbacks)
-        encoder_calls = float(sum(i.served for i in self.pools["encoder"].instances.values()))
+        encoder_calls = float(sum(i.total_served for i in self.pools["encoder"].instances.values()))
         ec_seen = skips + encoder_calls + fallbacks
         return {"requests": int(sum(statuses.values())), "ok": int(statuses.get("200", 0)),
                 "failed": int(sum(v for k, v in statuses.items() if k != "200")),

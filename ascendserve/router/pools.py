@@ -74,6 +74,13 @@ class Instance:
         return self.peers.others(self.slot)
 
     @property
+    def total_served(self) -> int:
+        """Answers it gave this proxy: every worker's (each counts its own in the shared table)."""
+        if self.peers is None or self.slot < 0:
+            return self.served
+        return self.served + self.peers.served(self.slot)
+
+    @property
     def total_requests(self) -> int:
         """This proxy's requests in flight on it: every worker's."""
         return self.active_requests + self.peer_load()[0]
@@ -91,7 +98,7 @@ class Instance:
                 "instance_id": self.instance_id, "models": list(self.models),
                 "active_requests": self.active_requests + requests, "active_tokens": self.active_tokens + tokens,
                 "active_kv": self.active_kv + kv, "others": self.others, "kv_usage": self.kv_usage,
-                "failures": self.failures, "served": self.served,
+                "failures": self.failures, "served": self.total_served,
                 "last_error": self.last_error, "kv_connector": self.kv.connector if self.kv else ""}
 
     @property

@@ -50,7 +50,7 @@ SNAPSHOT_S = 0.05  # the leader publishes changes this often, and at once when a
 POLL_S = 0.01  # followers look for a new table this often (one shared integer read)
 RESTARTS, RESTART_WINDOW_S = 5, 60.0
 _HEADER = 64  # gen (int64), meta (int64: buffer << 40 | length)
-_FIELDS = 3  # requests, tokens, kv
+_FIELDS = 4  # requests, tokens, kv in flight; answers given (served)
 SESSIONS = 256  # dashboard logins (dashboard/access.py keeps at most as many)
 _SESSION = struct.Struct("32sd")  # sha256 of the session id, expiry (CLOCK_MONOTONIC: one clock for all)
 
@@ -180,13 +180,13 @@ class Counters:
     def write(self, inst: Instance) -> None:
         if inst.slot >= 0:
             at = self.row + inst.slot * _FIELDS
-            self.counts[at], self.counts[at + 1], self.counts[at + 2] = (
-                inst.active_requests, inst.active_tokens, inst.active_kv)
+            self.counts[at], self.counts[at + 1], self.counts[at + 2], self.counts[at + 3] = (
+                inst.active_requests, inst.active_tokens, inst.active_kv, inst.served)
 
     def clear(self, slot: int) -> None:
         """This worker's counts in `slot` back to zero (the instance moved to another slot)."""
         at = self.row + slot * _FIELDS
-        self.counts[at] = self.counts[at + 1] = self.counts[at + 2] = 0
+        self.counts[at] = self.counts[at + 1] = self.counts[at + 2] = self.counts[at + 3] = 0
 
     def others(self, slot: int) -> tuple[int, int, int]:
         c, base = self.counts, slot * _FIELDS
@@ -197,6 +197,11 @@ class Counters:
             tokens += c[at + 1]
             kv += c[at + 2]
         return requests, tokens, kv
+
+    def served(self, slot: int) -> int:
+        """Answers the other workers got from the instance in `slot`."""
+        at = slot * _FIELDS + 3
+        return sum(self.counts[row + at] for row in self.rows)
 
 
 class Entry(msgspec.Struct, kw_only=True):
@@ -215,7 +220,6 @@ class Entry(msgspec.Struct, kw_only=True):
     others: int = 0
     kv_usage: float = 0.0
     failures: int = 0
-    served: int = 0
     fingerprint: str | None = None
 
 
@@ -281,7 +285,7 @@ class Leader:
                                  instance_id=inst.instance_id, models=list(inst.models), root=inst.root,
                                  cards=list(inst.cards), last_error=inst.last_error, kv=inst.kv, cache=inst.cache,
                                  others=inst.others, kv_usage=inst.kv_usage, failures=inst.failures,
-                                 served=inst.served, fingerprint=inst.fingerprint))
+                                 fingerprint=inst.fingerprint))
         return msgspec.json.encode(Table(instances=entries, metaservers=list(self.metaservers())))
 
     def publish(self) -> None:
@@ -378,7 +382,7 @@ class Mirror:
             seen.add((e.role, e.url))
             inst.source, inst.instance_id, inst.models, inst.root = e.source, e.instance_id, tuple(e.models), e.root
             inst.cards, inst.last_error, inst.kv, inst.cache = tuple(e.cards), e.last_error, e.kv, e.cache
-            inst.others, inst.kv_usage, inst.failures, inst.served = e.others, e.kv_usage, e.failures, e.served
+            inst.others, inst.kv_usage, inst.failures = e.others, e.kv_usage, e.failures
             if e.fingerprint is not None:
                 inst.fingerprint = e.fingerprint
             if inst.slot != e.slot:  # new, or a restarted worker 0 numbered the slots anew

@@ -182,16 +182,20 @@ def test_counters_cross_processes():
         child.share(Counters(shared, 1))
         other = child["decode"].add("http://d1")
         other.slot = 5
-        leases = [child["decode"].lease(other, 7) for _ in range(3)]
+        leases = [child["decode"].lease(other, 7) for _ in range(4)]
+        leases.pop().release(ok=True)  # one answered: served by worker 1
         os.write(write, b"x")
         time.sleep(5)
         os._exit(len(leases))
     os.read(read, 1)
     assert inst.peer_load() == (3, 21, 0)
+    pools["decode"].lease(inst, 2).release(ok=True)
+    assert (inst.served, inst.total_served) == (1, 2)
+    assert inst.summary()["served"] == 2, "/instances counts every worker's answers"
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     shared.clear_row(1)  # what the supervisor does before it restarts a worker
-    assert inst.peer_load() == (0, 0, 0)
+    assert inst.peer_load() == (0, 0, 0) and inst.total_served == 1
 
 
 def test_supervisor_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path):
