@@ -1,4 +1,5 @@
-"""HTTP to engine instances: one pooled aiohttp session per proxy process."""
+"""HTTP to engine instances, pooled per proxy process: the hot path's POSTs (a JSON answer, or a stream)
+through web/h1's client, everything else (health checks, admin calls) through an aiohttp session."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import aiohttp
 import msgspec
 
 from ascendserve.protocol.wire import decode_json
+from ascendserve.web import h1
 
 # Idle pooled connections are dropped (and never reused) after this long: under
 # vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so a POST never goes
 # out on a socket the engine is closing, and a burst's sockets are returned soon.
-KEEPALIVE_S = 4.0
+KEEPALIVE_S = h1.KEEPALIVE_S
 
 
 def engine_headers(cluster_token: str, backend_api_key: str = "") -> dict[str, str]:
@@ -48,6 +50,7 @@ class Upstream:
         self._headers = headers or {}
         self._ssl = ssl_context if ssl_context is not None else True  # https: cluster.tls_ca, else system CAs
         self._session: aiohttp.ClientSession | None = None
+        self._h1 = h1.Client(request_timeout_s, connect_timeout_s, ssl_context, KEEPALIVE_S)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S,
@@ -57,6 +60,7 @@ class Upstream:
                                               auto_decompress=False)
 
     async def close(self) -> None:
+        await self._h1.close()
         if self._session is not None:
             await self._session.close()
 
@@ -65,30 +69,34 @@ class Upstream:
 
     async def post_json(self, url: str, body: dict, headers: dict | None = None) -> dict:
         try:
-            async with self._session.post(url, data=msgspec.json.encode(body), headers=self._h(headers)) as r:
+            r = await self._h1.post(url, msgspec.json.encode(body), self._h(headers))
+            try:
                 raw = await r.read()
-                if r.status >= 300:
-                    raise UpstreamError(url, r.status, raw[:500].decode(errors="replace"), raw)
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            finally:
+                r.close()
+        except (TimeoutError, ConnectionError) as exc:
             raise UpstreamError(url, None, repr(exc)) from None
+        if r.status >= 300:
+            raise UpstreamError(url, r.status, raw[:500].decode(errors="replace"), raw)
         try:
             return decode_json(raw)
         except msgspec.DecodeError:
             raise UpstreamError(url, 502, "backend answered with invalid JSON", raw) from None
 
-    async def open_stream(self, url: str, body: dict, headers: dict | None = None) -> aiohttp.ClientResponse:
-        """POST and return the response once its status is known to be 2xx.
-        The caller owns the response and must `release()`/`close()` it."""
+    async def open_stream(self, url: str, body: dict, headers: dict | None = None) -> h1.Response:
+        """POST and return the response once its status is known to be 2xx. The caller owns the
+        response: it reads it to its end or `close()`s it (which aborts the request on the engine)."""
         try:
-            r = await self._session.post(url, data=msgspec.json.encode(body), headers=self._h(headers))
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            r = await self._h1.post(url, msgspec.json.encode(body), self._h(headers))
+        except (TimeoutError, ConnectionError) as exc:
             raise UpstreamError(url, None, repr(exc)) from None
         if r.status >= 300:
             try:
                 raw = await r.read()
-            except (aiohttp.ClientError, TimeoutError):
+            except (TimeoutError, ConnectionError):
                 raw = b""
-            r.release()
+            finally:
+                r.close()
             raise UpstreamError(url, r.status, raw[:500].decode(errors="replace"), raw)
         return r
 
