@@ -267,20 +267,24 @@ class Leader:
         self.on_drain: Callable[[str, str], None] = lambda role, url: None
         self.on_change: Callable[[], None] = lambda: None  # the table changed (published)
 
-    def _slot(self, inst: Instance) -> None:
-        used = {i.slot for i in self.pools.all_instances()}
+    def _slot(self, inst: Instance, used: set[int]) -> None:
         for _ in range(SLOTS):
             slot, self._next_slot = self._next_slot, (self._next_slot + 1) % SLOTS
             if slot not in used:
                 inst.slot = slot
+                used.add(slot)
                 self.pools[inst.role].peers.write(inst)
                 return
 
     def table(self) -> bytes:
         entries = []
-        for inst in self.pools.all_instances():
+        instances = list(self.pools.all_instances())
+        used: set[int] | None = None  # the slots taken, gathered once when an instance needs one
+        for inst in instances:
             if inst.slot < 0:
-                self._slot(inst)
+                if used is None:
+                    used = {i.slot for i in instances}
+                self._slot(inst, used)
             entries.append(Entry(url=inst.url, role=inst.role, slot=inst.slot, state=inst.state, source=inst.source,
                                  instance_id=inst.instance_id, models=list(inst.models), root=inst.root,
                                  cards=list(inst.cards), last_error=inst.last_error, kv=inst.kv, cache=inst.cache,
