@@ -5,6 +5,7 @@ import structlog
 from ascendserve.config import Config
 from ascendserve.router import workers
 from ascendserve.router.app import create_app
+from ascendserve.router.hot_path import ClientRoutes
 from ascendserve.web import server
 from ascendserve.web.limits import raise_open_files_limit
 
@@ -22,5 +23,6 @@ def run(config: Config) -> int:
         log.info("open files limit raised", before=before, limit=limit)
     count = workers.worker_count(config.proxy.workers)
     if count == 1:
-        return server.run(create_app(config), config.server)
-    return workers.supervise(count, lambda worker: server.run(create_app(config, worker), config.server))
+        return server.run(ClientRoutes(create_app(config)), config.server)
+    return workers.supervise(count, lambda worker: server.run(ClientRoutes(create_app(config, worker)),
+                                                              config.server))

@@ -41,8 +41,14 @@ def bearer_guard(accepted: list[str], what: str):
         # proxy's CPU, measured with py-spy)
         if accepted and not matches(presented_token(connection), accepted):
             client = connection.client.host if connection.client else ""
-            log.warning("authentication failed", credential=what, path=connection.url.path, client=client,
-                        presented=bool(presented_token(connection)))
-            raise APIError(401, f"missing or invalid {what}", type="authentication_error", code="401")
+            raise refused(connection.url.path, client, bool(presented_token(connection)), what)
 
     return guard
+
+
+def refused(path: str, client, presented: bool, what: str) -> APIError:
+    """The warning line of a refusal, and the 401 to answer. `client`: a host, or an ASGI scope's
+    (host, port)."""
+    host = client[0] if isinstance(client, (tuple, list)) and client else (client or "")
+    log.warning("authentication failed", credential=what, path=path, client=host, presented=presented)
+    return APIError(401, f"missing or invalid {what}", type="authentication_error", code="401")

@@ -395,3 +395,51 @@ def test_encoder_hop_passes_ec_params_on_and_falls_back_or_fails(tmp_path):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_the_running_proxy_answers_the_generation_routes_as_its_litestar_app_does(pd_cluster):
+    """A running proxy serves POST /v1/completions and /v1/chat/completions on plain ASGI in front of
+    Litestar (router/hot_path.py): its refusals equal the Litestar app's for the same input, status,
+    body and content type; its answers carry the same headers."""
+    from litestar.testing import TestClient
+
+    from ascendserve.config import load
+    from ascendserve.router.app import create_app
+
+    proxy = pd_cluster[0]
+    app = create_app(load("proxy", None, {"proxy__api_keys": [API_KEY], "proxy__max_body_mb": 1.0,
+                                          "proxy__health_interval_s": 3600.0}, env={}))
+    big = b'{"model": "stub-model", "prompt": "' + b"x" * (1024 * 1024) + b'"}'
+    cases = [(b"{not json", AUTH), (b'{"model": "stub-model", "prompt": 7}', AUTH), (b"[]", AUTH),
+             (b'{"model": "stub-model", "prompt": "x"}', {}),
+             (b'{"model": "stub-model", "prompt": "x"}', {"authorization": "Bearer wrong"}),
+             (b'{"model": "stub-model", "prompt": "x"}', {"x-cluster-token": TOKEN}),  # not a client key
+             (big, AUTH), (big, {})]
+    with TestClient(app) as litestar, httpx.Client(timeout=30) as running:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for body, headers in cases:
+                sent = {"content-type": "application/json", **headers}
+                want = litestar.post(path, content=body, headers=sent)
+                got = running.post(proxy.url + path, content=body, headers=sent)
+                what = (path, body[:40], headers)
+                assert (got.status_code, got.json(), got.headers["content-type"]) == \
+                       (want.status_code, want.json(), want.headers["content-type"]), what
+                want = litestar.post(path, content=iter([body[:10], body[10:]]), headers=sent)  # no Content-Length
+                got = running.post(proxy.url + path, content=iter([body[:10], body[10:]]), headers=sent)
+                assert (got.status_code, got.json()) == (want.status_code, want.json()), ("chunked", *what)
+    # a malformed Content-Length, which no client library sends (granian refuses it before the app)
+    import socket
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: -5\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 400")
+
+    r = httpx.post(proxy.url + "/v1/completions", json={"model": "stub-model", "prompt": "x", "max_tokens": 2},
+                   headers={**AUTH, "x-request-id": "rid-7"}, timeout=30)
+    assert (r.status_code, r.headers["content-type"], r.headers["x-request-id"]) == (200, "application/json", "rid-7")
+    assert int(r.headers["content-length"]) == len(r.content)
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                      json={"model": "stub-model", "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 3, "stream": True}) as s:
+        assert s.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert s.headers["cache-control"] == "no-cache" and len(s.headers["x-request-id"]) == 32
+        assert sse_events(s.read().decode())[-1] == "[DONE]"
