@@ -159,6 +159,8 @@ NO_ENGINE_MODULES = {
     "tests/integration/test_install_pins.py",
     "tests/integration/test_dashboard.py",  # stub engines, a proxy, a metaserver and Chromium
     "tests/integration/test_status.py",
+    "tests/integration/test_proxy_workers.py",  # stub engines behind 2 or 3 proxy workers
+    "tests/integration/test_h1_client.py",  # raw asyncio servers
 }
 # Long runs without an engine, left to the full suite so --quick stays under 3 minutes: the
 # atheris fuzz campaigns (test_regressions.py replays what they found, and stays quick), the

@@ -11,7 +11,6 @@ role: the ledger's token-id continuation, spliced onto what the client already h
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,9 +46,8 @@ class Leg:
         first token longer than any stall deadline) or a broken connection."""
         deadline = time.monotonic() + stall_s
         while True:
-            try:  # asyncio.timeout: a timer, where wait_for would make a task per read
-                async with asyncio.timeout(max(0.0, min(EJECTION_CHECK_S, deadline - time.monotonic()))):
-                    chunk = await self.response.content.readany()
+            try:  # web/h1's timed read: a timer handle (asyncio.timeout was a third of the ledger's cost)
+                chunk = await self.response.readany(max(0.0, min(EJECTION_CHECK_S, deadline - time.monotonic())))
             except TimeoutError:
                 if self.instance.state == EJECTED:
                     raise BackendFailed("ejected", "its health checks failed while it was silent") from None

@@ -132,6 +132,30 @@ async def test_a_stream_arrives_as_it_is_sent_and_its_end_releases_the_connectio
 
 
 @run
+async def test_a_timed_read_gives_up_and_the_stream_goes_on():
+    go = asyncio.Event()
+
+    async def slow(reader, writer, head, body):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(chunk(b"data: late\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Server(slow) as srv:
+        c = client()
+        r = await c.post(srv.url + "/s", b"{}", {})
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await r.readany(0.2)
+        assert 0.15 < time.monotonic() - started < 2
+        go.set()
+        assert await r.readany(5) == b"data: late\n\n"
+        assert await r.readany(5) == b""
+        await c.close()
+
+
+@run
 async def test_closing_a_stream_early_closes_its_connection():
     gone = asyncio.Event()
 
