@@ -28,7 +28,7 @@ import structlog
 
 from ascendserve.protocol.openai import APIError, error_body, parse
 from ascendserve.web.auth import matches, refused
-from ascendserve.web.body_limit import DRAIN_FACTOR, _drain, _refuse
+from ascendserve.web.body_limit import DRAIN_FACTOR, _drain, _refuse, refused_length
 
 log = structlog.get_logger("ascendserve.proxy")
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -88,16 +88,8 @@ class ClientRoutes:
             if key not in headers:  # the first of repeated fields, as Litestar's Headers.get gives it
                 headers[key] = value.decode("latin-1")
         length = headers.get("content-length")
-        if length is not None:
-            try:
-                size = int(length)
-            except ValueError:
-                size = -1
-            if size < 0:
-                return await _refuse(send, 400, "invalid Content-Length header")
-            if size > self.max_bytes:
-                await _refuse(send, 413, "request body too large")
-                return await _drain(receive, self.drain_limit)
+        if length is not None and await refused_length(length, self.max_bytes, self.drain_limit, receive, send) is None:
+            return
         if self.accepted and not matches(_presented(headers), self.accepted):
             exc = refused(scope["path"], scope.get("client"), bool(_presented(headers)), "API key")
             await _error(send, exc.status, exc.body(), close=True)

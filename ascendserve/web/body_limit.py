@@ -39,15 +39,9 @@ class BodyLimit:
         for name, value in scope.get("headers", ()):
             name = name.lower()
             if name == b"content-length":
-                try:
-                    size = int(value)
-                except ValueError:
-                    size = -1
-                if size < 0:
-                    return await _refuse(send, 400, "invalid Content-Length header")
-                if size > self.max_bytes:
-                    await _refuse(send, 413, "request body too large")
-                    return await _drain(receive, self.drain_limit)
+                size = await refused_length(value, self.max_bytes, self.drain_limit, receive, send)
+                if size is None:
+                    return
                 has_body = has_body or size > 0
             elif name == b"transfer-encoding":
                 has_body = True
@@ -105,6 +99,23 @@ async def _drain(receive, limit: int) -> None:
         read += len(message.get("body", b""))
         if not message.get("more_body", False):
             return
+
+
+async def refused_length(value: bytes | str, max_bytes: int, drain_limit: int, receive, send) -> int | None:
+    """A request's Content-Length: its size, or None once a malformed one was answered 400, or one
+    over `max_bytes` 413 (what the client is still sending drained, up to `drain_limit`)."""
+    try:
+        size = int(value)
+    except ValueError:
+        size = -1
+    if size < 0:
+        await _refuse(send, 400, "invalid Content-Length header")
+        return None
+    if size > max_bytes:
+        await _refuse(send, 413, "request body too large")
+        await _drain(receive, drain_limit)
+        return None
+    return size
 
 
 async def _refuse(send, status: int, message: str) -> None:
