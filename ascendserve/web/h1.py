@@ -286,7 +286,8 @@ class Client:
 
     def __init__(self, request_timeout_s: float, connect_timeout_s: float = 5.0,
                  ssl_context: ssl_module.SSLContext | None = None, keepalive_s: float = KEEPALIVE_S):
-        self.request_timeout_s, self.connect_timeout_s, self.keepalive_s = request_timeout_s, connect_timeout_s, keepalive_s
+        self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
+        self.keepalive_s = keepalive_s
         self._ssl = ssl_context
         self._idle: dict[tuple, list[_Conn]] = {}
         self._all: set[_Conn] = set()
