@@ -67,7 +67,7 @@ class Access:
             return OPEN if self.allow_unauthenticated else REFUSED
         if self.valid(connection.cookies.get(self.cookie, "")):
             return ALLOWED
-        presented = presented_token(connection)
+        presented = presented_token(connection.headers)
         if presented and matches(presented, [self.token]):
             return ALLOWED
         return LOGIN

@@ -23,18 +23,15 @@ import os
 import time
 from collections.abc import Mapping
 
-import msgspec
 import structlog
 
 from ascendserve.protocol.openai import APIError, error_body, parse
-from ascendserve.web.auth import matches, refused
-from ascendserve.web.body_limit import DRAIN_FACTOR, _drain, _refuse, refused_length
+from ascendserve.web.auth import matches, presented_token, refused
+from ascendserve.web.body_limit import DRAIN_FACTOR, _drain, _refuse, refused_length, send_json
 
 log = structlog.get_logger("ascendserve.proxy")
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-_JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-_CLOSE = (b"connection", b"close")
 
 
 async def answer(kind: str, raw: bytes, headers: Mapping, state):
@@ -91,9 +88,10 @@ class ClientRoutes:
         length = headers.get("content-length")
         if length is not None and await refused_length(length, self.max_bytes, self.drain_limit, receive, send) is None:
             return
-        if self.accepted and not matches(_presented(headers), self.accepted):
-            exc = refused(scope["path"], scope.get("client"), bool(_presented(headers)), "API key")
-            await _error(send, exc.status, exc.body(), close=True)
+        presented = presented_token(headers)
+        if self.accepted and not matches(presented, self.accepted):
+            exc = refused(scope["path"], scope.get("client"), bool(presented), "API key")
+            await send_json(send, exc.status, exc.body(), close=True)
             return await _drain(receive, self.drain_limit)
         raw = await self._body(receive, send)
         if raw is None:
@@ -101,17 +99,13 @@ class ClientRoutes:
         try:
             request_id, reply = await answer(kind, raw, headers, self.state)
         except APIError as exc:
-            return await _error(send, exc.status, exc.body())
+            return await send_json(send, exc.status, exc.body())
         except Exception:
             log.exception("unhandled error", path=scope["path"])
-            return await _error(send, 500, error_body("internal error", "server_error", None, "500"))
+            return await send_json(send, 500, error_body("internal error", "server_error", None, "500"))
         rid = (b"x-request-id", request_id.encode("latin-1", "replace"))
         if reply.stream is None:
-            payload = msgspec.json.encode(reply.body)
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [_JSON, (b"content-length", b"%d" % len(payload)), rid]})
-            await send({"type": "http.response.body", "body": payload})
-            return
+            return await send_json(send, 200, reply.body, headers=(rid,))
         await _stream(reply.stream, receive, send, [*_SSE, rid])
 
     async def _body(self, receive, send) -> bytes | None:
@@ -131,22 +125,6 @@ class ClientRoutes:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _presented(headers: Mapping) -> str:
-    header = headers.get("authorization", "")
-    if header[:7].lower() == "bearer ":
-        return header[7:].strip()
-    return headers.get("x-cluster-token", "")
-
-
-async def _error(send, status: int, body: dict, close: bool = False) -> None:
-    payload = msgspec.json.encode(body)
-    fields = [_JSON, (b"content-length", b"%d" % len(payload))]
-    if close:
-        fields.append(_CLOSE)
-    await send({"type": "http.response.start", "status": status, "headers": fields})
-    await send({"type": "http.response.body", "body": payload})
 
 
 async def _stream(stream, receive, send, fields: list) -> None:

@@ -17,11 +17,12 @@ from ascendserve.protocol.openai import APIError
 log = structlog.get_logger("ascendserve.auth")
 
 
-def presented_token(connection: ASGIConnection) -> str:
-    header = connection.headers.get("authorization", "")
+def presented_token(headers) -> str:
+    """The bearer token (or x-cluster-token) in `headers`: Litestar's Headers or a plain dict."""
+    header = headers.get("authorization", "")
     if header[:7].lower() == "bearer ":
         return header[7:].strip()
-    return connection.headers.get("x-cluster-token", "")
+    return headers.get("x-cluster-token", "")
 
 
 def matches(presented: str, accepted: list[str]) -> bool:
@@ -39,9 +40,10 @@ def bearer_guard(accepted: list[str], what: str):
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         # async: Litestar runs a sync guard in a thread pool, a thread hop per request (a tenth of the
         # proxy's CPU, measured with py-spy)
-        if accepted and not matches(presented_token(connection), accepted):
+        presented = presented_token(connection.headers)
+        if accepted and not matches(presented, accepted):
             client = connection.client.host if connection.client else ""
-            raise refused(connection.url.path, client, bool(presented_token(connection)), what)
+            raise refused(connection.url.path, client, bool(presented), what)
 
     return guard
 

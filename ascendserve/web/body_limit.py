@@ -119,11 +119,17 @@ async def refused_length(value: bytes | str, max_bytes: int, drain_limit: int, r
 
 
 async def _refuse(send, status: int, message: str) -> None:
-    body = msgspec.json.encode(error_body(message, "invalid_request_error", None, str(status)))
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, status, error_body(message, "invalid_request_error", None, str(status)), close=True)
+
+
+async def send_json(send, status: int, body: dict, close: bool = False, headers: tuple = ()) -> None:
+    """A whole JSON answer on plain ASGI; `close`: say `connection: close` (a body left unread)."""
+    payload = msgspec.json.encode(body)
+    fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)), *headers]
+    if close:
+        fields.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": fields})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def body_limit(max_mb: float) -> DefineMiddleware:

@@ -169,7 +169,6 @@ class Response:
             conn.close()
         self._wake()
 
-    release = close  # aiohttp's name; a whole answer has already gone back to the pool
 
 
 def _time_out(waiter: asyncio.Future) -> None:
