@@ -3,6 +3,7 @@ under bench.proxy's load (stub engines) and this prints the functions by own tim
 inclusive time, grouped by package.
 
     python -m bench.proxy_profile [--concurrency 64] [--seconds 10] [--workers 1] [--top 25]
+                                  [--proxy-args "--migration-limit 0"]
 
 Needs py-spy (pip install py-spy; not a dependency of ascendserve) and the right to ptrace
 the proxy (root, or kernel.yama.ptrace_scope = 0).
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--proxy-args", default="", help="more flags for the proxy, e.g. '--migration-limit 0' "
+                    "(bench.proxy's row without the ledger)")
     ap.add_argument("--save", default="", help="keep py-spy's collapsed stacks here (flamegraph.pl, speedscope)")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -101,7 +104,7 @@ def main() -> None:
         tmp = Path(t)
         p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv")
         proxy = control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}", "--decode", f"127.0.0.1:{d.port}",
-                        "--log-level", "warning", "--workers", str(args.workers))
+                        "--log-level", "warning", "--workers", str(args.workers), *args.proxy_args.split())
         start_all(p, d, proxy)
         try:
             kids = psutil.Process(proxy.pid).children()

@@ -23,7 +23,9 @@ parses reasoning or tool calls (seen in the stream).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
 
@@ -193,6 +195,94 @@ class Ledger:
             if choice.get("logprobs") is not None:
                 self._advance_offset(choice["logprobs"])
         return self._to_client(event, choice)
+
+    def relay(self, evs: list, out: list[bytes], start: int = 0) -> int:
+        """feed()'s fast path, for the run of `evs` from `start` (raw payloads of one read) that are plain
+        token events of the first leg: the ledger learns their ids and text from a typed decode of
+        the few fields it needs, and the client gets the engine's very bytes (token ids nulled in
+        place when it did not ask for them) appended to `out`, with no decode into dicts and no
+        re-encoding. Returns how many it took; feed() takes the rest (an item that is not bytes, the
+        first event, usage and error events, logprobs, a role or tool chunk, a terminal event held
+        for its fingerprint, anything that does not decode as expected, a continuation)."""
+        if self.migrations or not self.head:
+            return 0
+        chat, null_ids = self.kind == "chat", not self.want_ids
+        run = evs[start:] if start else evs
+        if len(run) > 1 and all(p.__class__ is bytes for p in run):
+            whole = self._relay_run(run, out, chat, null_ids)
+            if whole:
+                return len(run)
+        taken = 0
+        for payload in run:
+            if payload.__class__ is not bytes:
+                break
+            try:
+                ev = _decode_token(payload)
+            except msgspec.DecodeError:  # ValidationError is one
+                break
+            if len(ev.choices) != 1:
+                break
+            choice = ev.choices[0]
+            finish = choice.finish_reason
+            if finish is not None and not self.want_usage:
+                break  # held until the usage event stamps it (_to_client)
+            if chat:
+                delta = choice.delta
+                if delta.__class__ is not dict or len(delta) != 1 or "content" not in delta:
+                    break
+                text = delta["content"]
+                prompt_ids = ev.prompt_token_ids
+            else:
+                text = choice.text
+                prompt_ids = choice.prompt_token_ids
+            ids = choice.token_ids
+            if null_ids and payload.count(b'token_ids":[') != \
+                    (ids is not None) + (ev.prompt_token_ids is not None) + (choice.prompt_token_ids is not None):
+                break  # another key ending in token_ids: feed() edits only ours
+            if text:
+                self.text += text
+            if ids:
+                self.generated += ids
+            if self.prompt_ids is None and prompt_ids is not None:
+                self.prompt_ids = prompt_ids
+            if finish is not None:
+                self.finish_reason, self.stop_reason = finish, choice.stop_reason
+            if ev.system_fingerprint is not msgspec.UNSET:
+                self.fingerprint = ev.system_fingerprint
+            if self.stream:
+                out.append(b"data: " + (_NULL_IDS(b'token_ids":null', payload) if null_ids else payload) + b"\n\n")
+            taken += 1
+        return taken
+
+    def _relay_run(self, run: list[bytes], out: list[bytes], chat: bool, null_ids: bool) -> bool:
+        """relay() of a whole read of tokens at once, when they are all plain and none is the last."""
+        try:
+            batch = (_decode_chat_run if chat else _decode_cmpl_run)(b"[" + b",".join(run) + b"]")
+        except msgspec.DecodeError:
+            return False
+        if self.stream:
+            joined = b"data: " + b"\n\ndata: ".join(run) + b"\n\n"
+            if null_ids:
+                joined, n = _NULL_IDS_N(b'token_ids":null', joined)
+                if n != len(run):
+                    return False
+            out.append(joined)
+        generated = self.generated
+        if chat:
+            for ev in batch:
+                choice = ev.choices[0]
+                generated += choice.token_ids
+                self.text += choice.delta.content
+        else:
+            for ev in batch:
+                choice = ev.choices[0]
+                generated += choice.token_ids
+                self.text += choice.text
+        for ev in reversed(batch):
+            if ev.system_fingerprint is not msgspec.UNSET:
+                self.fingerprint = ev.system_fingerprint
+                break
+        return True
 
     def _advance_offset(self, logprobs) -> None:
         if isinstance(logprobs, dict) and logprobs.get("tokens"):
@@ -473,12 +563,13 @@ def _joined_logprobs(parts: list) -> dict | None:
     return out
 
 
-def events(data: bytes) -> tuple[list[dict], bool]:
-    """Whole SSE events (SSEFramer's output) -> their JSON payloads, and whether [DONE] came."""
-    if data.startswith(b"data: {") and data.endswith(b"}\n\n") and data.count(b"\n") == 2:
-        return [_decode(data[6:-2])], False  # one event, as vLLM writes a token's (half the time of the loop)
+def payloads(data: bytes) -> tuple[list[bytes], bool]:
+    """Whole SSE events (SSEFramer's output) -> their JSON payloads (not decoded), and whether [DONE] came."""
     out, done = [], False
     for block in data.split(b"\n\n"):
+        if block.startswith(b"data: {") and b"\n" not in block:  # one line, as vLLM writes every event
+            out.append(block[6:])
+            continue
         for line in block.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
@@ -486,10 +577,67 @@ def events(data: bytes) -> tuple[list[dict], bool]:
             if payload == b"[DONE]":
                 done = True
             elif payload:
-                out.append(_decode(payload))
+                out.append(payload)
     return out, done
 
 
+class _Choice(msgspec.Struct):
+    """What Ledger.relay reads of a token event's choice; a field of another type fails the decode."""
+    text: str | None = None
+    delta: dict | None | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None  # logprobs take feed()
+
+
+class _Token(msgspec.Struct):
+    choices: list[_Choice]  # an error event has none: feed() raises it
+    prompt_token_ids: list[int] | None = None
+    usage: None = None  # a usage event, or continuous usage stats, take feed()
+    system_fingerprint: str | None | msgspec.UnsetType = msgspec.UNSET
+
+
+_decode_token = msgspec.json.Decoder(_Token).decode
+
+
+class _Content(msgspec.Struct, forbid_unknown_fields=True):
+    content: str
+
+
+class _CmplChoice(msgspec.Struct):  # a plain token of a run: none of these fields may be other than this
+    text: str
+    token_ids: list[int]
+    finish_reason: None = None
+    logprobs: None = None
+    prompt_token_ids: None = None
+
+
+class _ChatChoice(msgspec.Struct):
+    delta: _Content
+    token_ids: list[int]
+    finish_reason: None = None
+    logprobs: None = None
+
+
+class _CmplToken(msgspec.Struct):
+    choices: Annotated[list[_CmplChoice], msgspec.Meta(min_length=1, max_length=1)]
+    usage: None = None
+    system_fingerprint: str | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class _ChatToken(msgspec.Struct):
+    choices: Annotated[list[_ChatChoice], msgspec.Meta(min_length=1, max_length=1)]
+    prompt_token_ids: None = None
+    usage: None = None
+    system_fingerprint: str | None | msgspec.UnsetType = msgspec.UNSET
+
+
+_decode_cmpl_run = msgspec.json.Decoder(list[_CmplToken]).decode
+_decode_chat_run = msgspec.json.Decoder(list[_ChatToken]).decode
+_NULL_IDS_N = re.compile(rb'token_ids":\[[^\]]*\]').subn
+_NULL_IDS = re.compile(rb'token_ids":\[[^\]]*\]').sub  # a literal prefix: re finds it at memchr's pace
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 

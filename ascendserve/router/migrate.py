@@ -21,7 +21,7 @@ import structlog
 
 from ascendserve.protocol.openai import APIError
 from ascendserve.router import tracing
-from ascendserve.router.ledger import BackendFailed, Ledger, encode, events
+from ascendserve.router.ledger import BackendFailed, Ledger, encode, payloads
 from ascendserve.router.pools import EJECTED, Instance, Lease
 
 log = structlog.get_logger("ascendserve.router")
@@ -39,11 +39,11 @@ class Leg:
         return self.lease.instance
 
     async def next_events(self, stall_s: float, elsewhere: Callable[[], bool] = lambda: True
-                          ) -> tuple[list[dict], bool, bool]:
-        """The next whole events, whether [DONE] came, whether the stream ended. Raises
-        BackendFailed on a stall (no byte for `stall_s`), on the instance's ejection by its
-        health checks while it says nothing (a frozen instance may hold a request before its
-        first token longer than any stall deadline) or a broken connection."""
+                          ) -> tuple[list[bytes], bool, bool]:
+        """The next whole events' payloads (parse() decodes one), whether [DONE] came, whether the
+        stream ended. Raises BackendFailed on a stall (no byte for `stall_s`), on the instance's
+        ejection by its health checks while it says nothing (a frozen instance may hold a request
+        before its first token longer than any stall deadline) or a broken connection."""
         deadline = time.monotonic() + stall_s
         while True:
             try:  # web/h1's timed read: a timer handle (asyncio.timeout was a third of the ledger's cost)
@@ -61,11 +61,11 @@ class Leg:
             deadline = time.monotonic() + stall_s
             if not chunk:
                 rest = self.framer.flush()
-                evs, done = _parsed(rest) if rest else ([], False)
+                evs, done = payloads(rest) if rest else ([], False)
                 return evs, done, True
             whole = self.framer.feed(chunk)
             if whole:
-                evs, done = _parsed(whole)
+                evs, done = payloads(whole)
                 return evs, done, False
 
     def close(self, ok: bool) -> None:
@@ -160,6 +160,7 @@ class Generation:
         self.pending = []
         while True:
             if self.fixing and led.on_continuation:
+                evs = [ev if ev.__class__ is dict else parse(ev) for ev in evs]
                 before: list[int] = []  # ids of this read's events before the one being fixed
                 for ev in evs:
                     await self._fix_text(ev, before)
@@ -187,12 +188,14 @@ class Generation:
                     yield b"".join(out)
             evs, done, ended = await self.leg.next_events(self.settings.stall_timeout_s, self._elsewhere)
 
-    def _events(self, evs: list[dict], out: list[bytes]) -> bool:
-        """Feed one read's events to the ledger, the client's bytes to `out`; True once the proxy
-        itself ended the answer (a stop string across the cut)."""
+    def _events(self, evs: list, out: list[bytes]) -> bool:
+        """Feed one read's events (payloads, or events parsed already) to the ledger, the client's
+        bytes to `out`; True once the proxy itself ended the answer (a stop string across the cut)."""
         led = self.ledger
-        for ev in evs:
-            for event in led.feed(ev):
+        at = led.relay(evs, out)  # plain token events: their bytes as they came
+        while at < len(evs):
+            ev = evs[at]
+            for event in led.feed(ev if ev.__class__ is dict else parse(ev)):
                 if self.failed_at is not None:
                     gap = time.monotonic() - self.failed_at
                     self.metrics.migration_gap.observe(gap)
@@ -202,6 +205,8 @@ class Generation:
                     out.append(encode(event))
             if led.stopped:
                 return True
+            at += 1
+            at += led.relay(evs, out, at)
         return False
 
     def _close_finished(self) -> list[bytes]:
@@ -279,11 +284,18 @@ class Generation:
         choices[0]["text"] = full[len(self.base) + len(self.cut_text):]
 
 
-def _parsed(data: bytes) -> tuple[list[dict], bool]:
+def parse(payload: bytes) -> dict:
+    """One event's payload, decoded; BackendFailed when it is not a JSON object."""
     try:
-        return events(data)
+        event = _decode(payload)
     except msgspec.DecodeError as exc:
         raise BackendFailed("error_event", f"an event that is not JSON: {exc}") from None
+    if event.__class__ is not dict:
+        raise BackendFailed("error_event", f"an event that is not a JSON object: {payload[:100]!r}")
+    return event
+
+
+_decode = msgspec.json.Decoder().decode
 
 
 def _error_event(message: str) -> bytes:

@@ -43,7 +43,7 @@ from ascendserve.router.encode import Encoders
 from ascendserve.router.kv_flow import Pair, Pairing
 from ascendserve.router.metrics import ProxyMetrics
 from ascendserve.router.kv_route import KVRouter, Plan
-from ascendserve.router.migrate import Generation, Leg
+from ascendserve.router.migrate import Generation, Leg, parse
 from ascendserve.router.pools import Instance, Lease, Pool, Pools
 from ascendserve.web.upstream import Upstream, UpstreamError
 
@@ -450,6 +450,7 @@ class Pipeline:
                     evs, done, ended = await leg.next_events(self.settings.request_timeout_s)
                 if not evs:
                     raise UpstreamError(inst.url, None, "stream ended before the first event")
+                evs[0] = parse(evs[0])  # the ledger takes it decoded: it sets the response's head
                 error = ledger.error_of(evs[0])
                 if error is not None:  # 4xx goes to the client, anything else is retried
                     status = error[1] if error[1] is not None and error[1] >= 400 else 502

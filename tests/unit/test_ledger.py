@@ -5,9 +5,11 @@ against a real engine."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from ascendserve.router.ledger import BackendFailed, Ledger, backend_body, events, mode_of, why_not_migratable
+from ascendserve.router.ledger import (BackendFailed, Ledger, backend_body, encode, mode_of, payloads,
+                                       why_not_migratable)
 
 MODEL = "m"
 
@@ -188,8 +190,68 @@ def test_a_non_streaming_answer_has_vllms_fields_in_vllms_order():
 
 
 def test_sse_events_are_parsed_whole():
-    evs, done = events(b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n')
-    assert evs == [{"a": 1}, {"b": 2}] and done
+    evs, done = payloads(b'data: {"a": 1}\n\ndata:{"b": 2}\r\n\n: a comment\n\ndata: [DONE]\n\n')
+    assert evs == [b'{"a": 1}', b'{"b": 2}'] and done
+
+
+def _cmpl_stream() -> list[dict]:
+    logprobs = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": ["d"], "top_logprobs": None}
+    return [cmpl("a", [4], prompt_ids=[1, 2]), cmpl("b", [5]), cmpl("", [6]),  # text vLLM holds back
+            cmpl("c", [7]) | {"system_fingerprint": "fp-1"}, cmpl("d", [8], logprobs=logprobs),
+            cmpl("e", [9]) | {"usage": {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}},
+            {**cmpl("f", [10]), "choices": [{**cmpl("f", [10])["choices"][0], "draft_token_ids": [3]}]},
+            cmpl("g", [11], finish="length"), usage(2, 8)]
+
+
+def _chat_stream() -> list[dict]:
+    reasoning = chat("x", [9])
+    reasoning["choices"][0]["delta"] = {"reasoning": "hm"}
+    return [chat(None, [], role=True), chat("a", [4]), chat(None, [5]), chat("b", [6]), reasoning,
+            chat("", [7]), chat("c", [8], finish="stop"), usage(3, 5, "chat.completion.chunk")]
+
+
+def _relayed(kind: str, body: dict, evs: list[dict], per_read: int, fast: bool) -> tuple[bytes, dict, int]:
+    """What the client gets, and the ledger's state, with events fed as Generation._events feeds
+    them (`fast`: the raw payloads of each read through relay(), the rest through feed(); else
+    every event decoded through feed()). The first event comes decoded, as _open_leg hands it on."""
+    led = Ledger(kind, body)
+    raw = [msgspec.json.encode(e) for e in evs]
+    items: list = [msgspec.json.decode(raw[0])] + raw[1:]
+    out: list[bytes] = []
+    taken = 0
+    for start in range(0, len(items), per_read):
+        read = items[start:start + per_read]
+        at = led.relay(read, out) if fast else 0
+        taken += at
+        while at < len(read):
+            ev = read[at]
+            for event in led.feed(ev if isinstance(ev, dict) else msgspec.json.decode(ev)):
+                if led.stream:
+                    out.append(encode(event))
+            at += 1
+            n = led.relay(read, out, at) if fast else 0
+            taken, at = taken + n, at + n
+    out += [encode(e) for e in led.flush_final()]
+    state = {k: getattr(led, k) for k in ("generated", "text", "prompt_ids", "finish_reason", "stop_reason",
+                                            "fingerprint", "not_migratable", "usage", "head", "final")}
+    return b"".join(out), state, taken
+
+
+@pytest.mark.parametrize("per_read", [1, 3, 100])
+@pytest.mark.parametrize("ask", [{"stream": True}, {"stream": True, "return_token_ids": True},
+                                 {"stream": True, "stream_options": {"include_usage": True}},
+                                 {"stream": True, "return_token_ids": True,
+                                  "stream_options": {"include_usage": True}}, {}])
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_plain_token_events_are_relayed_as_their_bytes_exactly_as_feed_would_send_them(kind, ask, per_read):
+    body = ({"prompt": "hi"} if kind == "completions" else {"messages": [{"role": "user", "content": "hi"}]}) | ask
+    evs = _cmpl_stream() if kind == "completions" else _chat_stream()
+    want, want_state, _ = _relayed(kind, body, evs, per_read, fast=False)
+    got, state, taken = _relayed(kind, body, evs, per_read, fast=True)
+    assert got == want and state == want_state
+    assert taken >= 2  # plain token events did go the fast way
+    if body.get("stream") and not body.get("return_token_ids"):
+        assert b'token_ids":[' not in got.replace(b'"draft_token_ids":[3]', b"")
 
 
 IMAGE = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},

@@ -20,6 +20,7 @@ import json
 import random
 import types
 
+import msgspec
 import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -81,20 +82,26 @@ def Instance(url: str) -> pools.Instance:  # noqa: N802 - the real thing, active
 
 
 class EngineLeg:
-    """One engine stream: its reads in order, then an error event (the first leg) or [DONE]."""
+    """One engine stream: its reads in order (each event's payload, as migrate.Leg reads them), then
+    an error event (the first leg) or [DONE]."""
 
     def __init__(self, url: str, pending: list[list[dict]], breaks: bool):
         self.instance, self.pending, self.breaks = Instance(url), pending, breaks
 
     async def next_events(self, stall_s, elsewhere=None):
         if self.pending:
-            return self.pending.pop(0), False, False
+            return [msgspec.json.encode(e) for e in self.pending.pop(0)], False, False
         if self.breaks:
             raise BackendFailed("error_event", "injected")
         return [], True, False
 
     def close(self, ok: bool) -> None:
         pass
+
+
+def opened(read: list[dict]) -> list:
+    """A leg's first read as pipeline._open_leg hands it on: the first event decoded, the rest raw."""
+    return read[:1] + [msgspec.json.encode(e) for e in read[1:]]
 
 
 def _counter():
@@ -114,7 +121,7 @@ async def splice(generated: list[int], cut_at: int, stream: bool, rng: random.Ra
         assert prompt[:len(PROMPT)] == PROMPT and leg_body["max_tokens"] == len(generated) - cut_at
         rest = generated[len(prompt) - len(PROMPT):]
         got = reads(engine_events(decode_stream(prompt, rest), rest, rng, None, True), rng)
-        return EngineLeg("b", got[1:], False), got[0], False
+        return EngineLeg("b", got[1:], False), opened(got[0]), False
 
     async def detokenize(inst, ids):
         calls.append(len(ids))
@@ -123,7 +130,7 @@ async def splice(generated: list[int], cut_at: int, stream: bool, rng: random.Ra
     settings = types.SimpleNamespace(stall_timeout_s=1.0, migration_limit=2)
     metrics = types.SimpleNamespace(migration_gap=types.SimpleNamespace(observe=lambda x: None),
                                     migrations=_counter(), errors=_counter())
-    gen = Generation(led, "pd", EngineLeg("a", first[1:], True), first[0], False, open_leg,
+    gen = Generation(led, "pd", EngineLeg("a", first[1:], True), opened(first[0]), False, open_leg,
                      lambda role, tried: Instance("b"), detokenize, settings, metrics, lambda i: None,
                      lambda i: None, "req-1")
     out = b""
