@@ -8,10 +8,12 @@ bench/results/). Side by side, in one run:
    sendall, another receives them with recv_into into a buffer it zeroed
    before the clock starts: the floor), the same over two sockets (whether
    one socket fills the link) and over two into a buffer allocated inside
-   the clock (untouched pages, as a joiner's: their page faults), NetLoader from an elastic-server (weights in
-   its RAM; its default streams, and one stream) and from a seed that serves
-   the files through the page cache (an engine's own seed). GB/s and the
-   ratio to the raw socket.
+   the clock (untouched pages, as a joiner's: their page faults), NetLoader
+   from an elastic-server (weights in its RAM; its default streams with every
+   tensor held at once, and with each tensor let go of as vLLM's
+   load_weights does, so that a later tensor of its size reuses its buffer;
+   and one stream) and from a seed that serves the files through the page
+   cache (an engine's own seed). GB/s and the ratio to the raw socket.
 2. several joiners at once from one elastic-server: aggregate GB/s.
 3. time to ready (/v1/models answers) of `ascendserve --role pd`: weights by
    NetLoader from the elastic-server, from disk with the page cache warm,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,14 +87,20 @@ print(time.perf_counter() - t)
 FETCHER = """
 import sys, time
 from ascendserve.netloader.checkpoint import identity
-from ascendserve.netloader.client import fetch
+from ascendserve.netloader.client import fetch, open_transfer
 model, address, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
 verify = "--no-verify" not in flags
 streams = {"streams": int(flags[flags.index("--streams") + 1])} if "--streams" in flags else {}
 import torch  # imported before the clock starts, as in a vLLM worker
-t = time.perf_counter(); out = fetch(address, "%s", identity(model), {}, 60.0, verify=verify, **streams)
+t = time.perf_counter()
+if "--consume" in flags:  # each tensor taken and let go of, as load_weights does: buffers reused
+    for name, tensor in open_transfer(address, "%s", identity(model), {}, 60.0, verify=verify, recycle=True,
+                                      **streams):
+        del tensor
+else:  # every tensor held at once
+    out = fetch(address, "%s", identity(model), {}, 60.0, verify=verify, **streams)
 print(time.perf_counter() - t)
-""" % TOKEN
+""" % (TOKEN, TOKEN)
 MAPPED_SEED = """
 import sys, time
 from ascendserve.netloader.checkpoint import CheckpointIndex, MappedSource
@@ -144,6 +153,7 @@ def transfer(model: Path, total: int, elastic: Proc, repeat: int, joiners: int) 
         "raw2": (RAW_SPLIT_RECEIVER, str(total), str(split_port), "2"),
         "raw2fresh": (RAW_SPLIT_RECEIVER, str(total), str(split_port), "2", "fresh"),
         "elastic": (FETCHER, str(model), elastic.seed),
+        "consumed": (FETCHER, str(model), elastic.seed, "--consume"),
         "elastic1": (FETCHER, str(model), elastic.seed, "--streams", "1"),
         "mapped": (FETCHER, str(model), f"127.0.0.1:{mapped_port}"),
         "unverified": (FETCHER, str(model), elastic.seed, "--no-verify"),
@@ -159,7 +169,8 @@ def transfer(model: Path, total: int, elastic: Proc, repeat: int, joiners: int) 
     gbs = {k: total / v / 1e9 for k, v in best.items()}
     names = {"raw": "raw loopback socket (floor)", "raw2": "raw loopback, 2 sockets",
              "raw2fresh": "raw loopback, 2 sockets, into a fresh buffer",
-             "elastic": f"netloader, elastic-server (RAM), {STREAMS} streams",
+             "elastic": f"netloader, elastic-server (RAM), {STREAMS} streams, all tensors held",
+             "consumed": f"netloader, elastic-server (RAM), {STREAMS} streams, each let go of (a loader's way)",
              "elastic1": "netloader, elastic-server (RAM), 1 stream",
              "mapped": f"netloader, seed from page cache, {STREAMS} streams",
              "unverified": f"netloader, elastic-server, {STREAMS} streams, CRC checks off (bench only)"}
@@ -174,7 +185,8 @@ def transfer(model: Path, total: int, elastic: Proc, repeat: int, joiners: int) 
     return rows, many
 
 
-def _ready_time(role_args: list[str], model: Path, log_dir: Path, name: str) -> float:
+def _ready_time(role_args: list[str], model: Path, log_dir: Path, name: str) -> tuple[float, float]:
+    """Seconds to ready (polled every 0.5 s), and the weight phase vLLM logs ("Loading weights took")."""
     port = free_port()
     proc = Proc(name, [PYTHON, "-m", "ascendserve", "--role", "pd", "--model", str(model), "--port", str(port),
                        *ENGINE_ARGS, "--cluster-token", TOKEN, *role_args], port, log_dir / f"{name}.log")
@@ -182,9 +194,11 @@ def _ready_time(role_args: list[str], model: Path, log_dir: Path, name: str) -> 
     proc.start()
     try:
         proc.wait_ready(600)
-        return time.perf_counter() - start
+        ready_s = time.perf_counter() - start
     finally:
         proc.stop()
+    found = re.findall(r"Loading weights took ([0-9.]+) seconds", proc.log_text())
+    return ready_s, float(found[-1]) if found else float("nan")
 
 
 def _drop_caches() -> bool:
@@ -202,15 +216,16 @@ def ready(model: Path, elastic: Proc, log_dir: Path) -> list:
         shutil.copytree(model, joiner_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     rows = []
     (model / "model.safetensors").read_bytes()  # warm
-    disk = _ready_time([], model, log_dir, "disk-warm")
-    net = _ready_time(["--served-model-name", str(model), "--netloader-source", elastic.seed], joiner_dir, log_dir,
-                      "netloader")
-    rows += [["disk, page cache warm", disk, 1.0], ["netloader (elastic-server)", net, net / disk]]
+    disk, disk_w = _ready_time([], model, log_dir, "disk-warm")
+    net, net_w = _ready_time(["--served-model-name", str(model), "--netloader-source", elastic.seed], joiner_dir,
+                             log_dir, "netloader")
+    rows += [["disk, page cache warm", disk, 1.0, disk_w, 1.0],
+             ["netloader (elastic-server)", net, net / disk, net_w, net_w / disk_w]]
     if _drop_caches():
-        cold = _ready_time([], model, log_dir, "disk-cold")
-        rows.append(["disk, page cache dropped", cold, cold / disk])
+        cold, cold_w = _ready_time([], model, log_dir, "disk-cold")
+        rows.append(["disk, page cache dropped", cold, cold / disk, cold_w, cold_w / disk_w])
     else:
-        rows.append(["disk, page cache dropped", "n/a (not permitted here)", "-"])
+        rows.append(["disk, page cache dropped", "n/a (not permitted here)", "-", "-", "-"])
     return rows
 
 
@@ -236,7 +251,8 @@ def main() -> None:
         out["joiners"] = table("several joiners at once from one elastic-server",
                                ["joiners", "wall s", "aggregate GB/s", "slowest s", "mean per-joiner GB/s"], many)
         if not args.skip_ready:
-            out["ready"] = table("time to ready of ascendserve --role pd (s)", ["weights from", "seconds", "x disk warm"],
+            out["ready"] = table("time to ready of ascendserve --role pd (s), and vLLM's weight phase in it",
+                                 ["weights from", "seconds", "x disk warm", "weights s", "x disk warm"],
                                  ready(model, elastic, log_dir))
     finally:
         elastic.stop()

@@ -36,6 +36,8 @@ class WeightTransfer(Protocol):
 
 class WeightTransport(Protocol):
     def __call__(self, address: str, token: str, expect_identity: dict, join_info: dict, timeout_s: float,
-                 max_bytes: int | None = None, *, streams: int = 1, targets: dict | None = None) -> WeightTransfer:
+                 max_bytes: int | None = None, *, streams: int = 1, targets: dict | None = None,
+                 recycle: bool = False) -> WeightTransfer:
         """The joined transfer from the seed at `address`; NetLoadError (before any data) otherwise.
-        `targets`: name -> tensor to receive that tensor straight into, where dtype and shape match."""
+        `targets`: name -> tensor to receive that tensor straight into, where dtype and shape match.
+        `recycle`: a tensor's memory may receive a later tensor once the caller let go of it."""

@@ -5,9 +5,15 @@ and wire version were accepted, the manifest is well formed, it describes
 this model, the host has memory for it) and returns a Transfer. Iterating
 it receives the tensors over up to `streams` TCP connections at once (one
 socket copies at one core's pace; on loopback two carry 1.8x what one does),
-each a contiguous byte range of the checkpoint (wire.plan), into one host
-buffer, or straight into a target tensor (the model's parameter) where one
-of the same name, dtype and shape is given; a second thread checks the
+each a contiguous byte range of the checkpoint (wire.plan), into a host
+buffer of its own per tensor, or straight into a target tensor (the model's
+parameter) where one of the same name, dtype and shape is given. With
+`recycle` (a loader that copies each tensor into host-resident parameters
+and lets it go), the buffer of a tensor the caller has dropped receives a
+later tensor of the same size: a model's layers repeat their shapes, so the
+host memory a load touches is the window in flight, not the checkpoint (the
+first touch of fresh pages was the largest cost of a transfer, README:
+NetLoader performance). A second thread checks the
 CRC32C of every tensor as it completes, and the Transfer yields each tensor
 once it is verified, while the rest stream. So the model's weight loading
 copies tensor i into its parameters while tensor i+1 arrives.
@@ -27,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 import msgspec
 import structlog
@@ -37,7 +44,6 @@ from ascendserve.protocol.frames import FrameError, read_frame, recv_exact, send
 from ascendserve.protocol.wire import decode_msgpack
 
 log = structlog.get_logger("ascendserve.netloader")
-ALIGN = 64  # every tensor starts 64-byte aligned in the receive buffer (dtype views need it)
 MAX_TENSORS = 1 << 20
 STREAMS = 4  # connections per transfer by default (netloader.streams)
 STREAM_MIN_BYTES = 32 << 20  # no stream for less: a connection and a handshake cost more than they save
@@ -138,13 +144,16 @@ def receive(sock: socket.socket, address: str, token: str, expect_identity: dict
 
 def open_transfer(address: str, token: str, expect_identity: dict, join_info: dict, timeout_s: float,
                   max_bytes: int | None = None, verify: bool = True, streams: int = STREAMS,
-                  connect=None, targets: dict | None = None) -> "Transfer":
+                  connect=None, targets: dict | None = None, recycle: bool = False) -> "Transfer":
     """JOIN the seed on one connection, check its answer, JOIN on the further streams; NetLoadError else.
 
     A further stream the seed refuses (busy) or that fails to connect just leaves fewer streams.
     `targets` (name -> tensor, e.g. the model's parameters): a tensor of the manifest whose target
     has its dtype and shape and is contiguous in host memory is received straight into it (and
-    yielded as that very tensor), not into the host buffer."""
+    yielded as that very tensor), not into a host buffer. `recycle`: the host buffer of a yielded
+    tensor that nothing references any more (not the tensor, nor a view of it) receives a later
+    tensor of its size; only for a caller whose use of a tensor is over once it lets go of it
+    (not one whose asynchronous device copy may still read it)."""
     try:
         wire.require_checksum()
     except wire.ChecksumUnavailable as exc:
@@ -162,11 +171,7 @@ def open_transfer(address: str, token: str, expect_identity: dict, join_info: di
         ack, raw_manifest = _join(socks[0], address, token, expect_identity, join_info, timeout_s, 0)
         manifest = _check_manifest(ack, raw_manifest, expect_identity)
         in_place = _in_place(manifest, targets or {})
-        offsets, total = [], 0
-        for i, e in enumerate(manifest):
-            offsets.append(total)
-            if i not in in_place:
-                total += -(-e["nbytes"] // ALIGN) * ALIGN
+        total = sum(e["nbytes"] for i, e in enumerate(manifest) if i not in in_place)  # at most, not recycling
         if max_bytes is not None and total > max_bytes:
             raise NetLoadError(f"weights of {total / 2**30:.2f} GiB exceed the {max_bytes / 2**30:.2f} GiB "
                                "this host can hold")
@@ -187,7 +192,7 @@ def open_transfer(address: str, token: str, expect_identity: dict, join_info: di
                 log.info("netloader: fewer streams", seed=address, streams=len(socks) - 1, reason=str(exc))
                 socks.pop().close()
                 break
-        return Transfer(address, socks, manifest, offsets, total, ack["total_bytes"], timeout_s, verify, in_place)
+        return Transfer(address, socks, manifest, ack["total_bytes"], timeout_s, verify, in_place, recycle)
     except BaseException:
         for sock in socks:
             sock.close()
@@ -230,41 +235,41 @@ def _in_place(manifest: list[dict], targets: dict) -> dict:
     return found
 
 
-def receive_buffer(nbytes: int):
-    """The uint8 tensor every tensor is received into: untouched pages, faulted in by the streams that
-    fill them (in parallel). Touching them first only moves that cost (README: NetLoader performance)."""
-    import torch
-
-    return torch.empty(max(nbytes, 1), dtype=torch.uint8)
-
-
 _FAILED = -1  # on the ready queue: look at Transfer.error
 
 
 class Transfer:
     """One seed's tensors over `socks` (joined, not yet asked): iterate for (name, tensor), each verified.
 
-    Threads: one per stream (receives its chunks into the buffer; a tensor whose last chunk lands
+    Threads: one per stream (receives its chunks into the tensor's buffer, taken when its first chunk
+    comes: a recycled one of its size, or fresh pages, faulted in by the stream that fills them;
+    touching them first only moves that cost); a tensor whose last chunk lands
     goes to the checker), one checker (CRC32C, a slice at a time: wire.crc32c), and the iterating one, which
     yields what the checker passed. The first failure anywhere shuts every socket down (so no
     thread waits past it) and is raised from the iteration. Every socket has `timeout_s`."""
 
-    def __init__(self, address: str, socks: list, manifest: list[dict], offsets: list[int], total: int,
-                 payload_bytes: int, timeout_s: float, verify: bool, in_place: dict | None = None):
-        self.address, self.socks, self.manifest, self.offsets = address, socks, manifest, offsets
+    def __init__(self, address: str, socks: list, manifest: list[dict], payload_bytes: int, timeout_s: float,
+                 verify: bool, in_place: dict | None = None, recycle: bool = False):
+        import torch
+
+        self._torch = torch
+        self.address, self.socks, self.manifest = address, socks, manifest
         self.timeout_s, self.verify = timeout_s, verify
         # every producer has socket deadlines; this bound on no bytes arriving (not on the time to the next
         # tensor: a large one on a slow link takes long) only guards against a bug of ours
         self.stall_s = timeout_s * 2 + 10
         self.payload_bytes = payload_bytes
         self.error: str | None = None
-        self.buf = receive_buffer(total)
-        self._raw = memoryview(self.buf.numpy())
         self.in_place: dict[int, object] = in_place or {}  # index -> the target its bytes go straight into
-        self._dest = [_bytes_of(self.in_place[i]) if i in self.in_place
-                      else self._raw[offsets[i]:offsets[i] + e["nbytes"]] for i, e in enumerate(manifest)]
+        self.recycle = recycle
+        self.recycled = 0  # tensors received into a buffer an earlier one had
+        self._blocks: list = [None] * len(manifest)  # index -> its host buffer (uint8 tensor), once taken
+        self._free: dict[int, list] = {}  # nbytes -> buffers the caller let go of
+        self._dest: list = [_bytes_of(self.in_place[i]) if i in self.in_place else None for i in range(len(manifest))]
         self._remaining = [e["nbytes"] for e in manifest]
-        self._lock = threading.Lock()
+        # reentrant: a buffer let go of (_let_go) may be handed back by a garbage collection that runs
+        # in a stream's thread while it holds the lock
+        self._lock = threading.RLock()
         self._checks: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
         self._streams_left = len(socks)
@@ -287,14 +292,15 @@ class Transfer:
                 if i in self.in_place:
                     yield e["name"], self.in_place[i]
                 else:
-                    yield e["name"], _tensor(self.buf, self.offsets[i], e, torch)
+                    yield e["name"], self._tensor(i, e, torch)
             if self._next_ready(end=True) is not None:
                 raise NetLoadError(f"seed {self.address}: a stream did not end")  # unreachable by design
             seconds = progress.finish()
         finally:
             self.close()
         log.info("netloader: weights received", seed=self.address, tensors=len(self.manifest),
-                 streams=self.streams, gb=round(self.payload_bytes / 1e9, 3), seconds=round(seconds, 2),
+                 streams=self.streams, recycled=self.recycled, gb=round(self.payload_bytes / 1e9, 3),
+                 seconds=round(seconds, 2),
                  gb_per_s=round(self.payload_bytes / 1e9 / max(seconds, 1e-9), 2))
 
     def _start(self) -> None:
@@ -338,7 +344,7 @@ class Transfer:
                         or head.get("offset", 0) != offset or head.get("payload", 0) != n:
                     raise NetLoadError(f"seed {self.address} sent {head.get('type')} {head.get('name')!r} "
                                        f"where tensor {i} ({e['name']}) from byte {offset} was due")
-                dest = self._dest[i]
+                dest = self._dest[i] or self._take(i)
                 for at in range(offset, offset + n, BLOCK):
                     k = min(BLOCK, offset + n - at)
                     recv_exact(sock, k, dest[at:at + k])
@@ -360,6 +366,37 @@ class Transfer:
                 last = self._streams_left == 0
             if last:
                 self._checks.put(None)
+
+    def _take(self, i: int) -> memoryview:
+        """Tensor i's host buffer, as its first chunk comes: one of its size the caller let go of, or fresh."""
+        n = self.manifest[i]["nbytes"]
+        with self._lock:
+            if self._dest[i] is None:
+                free = self._free.get(n)
+                if free:
+                    self._blocks[i] = free.pop()
+                    self.recycled += 1
+                else:
+                    self._blocks[i] = self._torch.empty(max(n, 1), dtype=self._torch.uint8)
+                self._dest[i] = memoryview(self._blocks[i].numpy())[:n]
+            return self._dest[i]
+
+    def _tensor(self, i: int, e: dict, torch):
+        """Tensor i, viewing its host buffer; with recycling, the buffer is free again once the last
+        reference to it (this tensor, a view of it, a numpy array of it) is gone."""
+        dtype = getattr(torch, TORCH_DTYPES[e["dtype"]])
+        if not e["nbytes"]:
+            return torch.empty(e["shape"], dtype=dtype)
+        owner = self._blocks[i].numpy()  # a new array object: the tensor's storage holds it, and only it does
+        if self.recycle:
+            weakref.finalize(owner, self._let_go, i, self._blocks[i])
+        self._blocks[i] = self._dest[i] = None  # the tensor alone holds its buffer now
+        return torch.frombuffer(owner, dtype=dtype).reshape(e["shape"])
+
+    def _let_go(self, i: int, block) -> None:
+        with self._lock:
+            if self.recycle:
+                self._free.setdefault(self.manifest[i]["nbytes"], []).append(block)
 
     def _check(self) -> None:
         while (i := self._checks.get()) is not None:
@@ -391,8 +428,11 @@ class Transfer:
             t.join(self.timeout_s + 5)
         for sock in self.socks:
             sock.close()
-        if not any(t.is_alive() for t in self._threads):  # the host buffer goes once the tensors yielded do
-            self.buf = self._raw = self._dest = None
+        with self._lock:
+            self.recycle = False  # buffers let go of from now on are freed
+            self._free.clear()
+        if not any(t.is_alive() for t in self._threads):  # a buffer goes once the tensor yielded from it does
+            self._blocks = self._dest = []
 
     def changed_in_place(self) -> list[str]:
         """Names of the tensors received in place whose target no longer holds their bytes (call it once
@@ -413,8 +453,3 @@ def _bytes_of(t) -> memoryview:
     import torch
 
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def _tensor(buf, offset: int, e: dict, torch):
-    dtype = getattr(torch, TORCH_DTYPES[e["dtype"]])
-    return buf[offset:offset + e["nbytes"]].view(dtype).reshape(e["shape"])

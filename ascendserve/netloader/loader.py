@@ -125,10 +125,13 @@ class NetLoader(DefaultModelLoader):
             return str(exc)
         targets = {} if not in_place or getattr(model_config, "quantization", None) else \
             {name: p.data for name, p in model.named_parameters()}
+        # load_weights copies a tensor into its parameter and lets go of it: its host buffer can take a later
+        # tensor of its size. Not when a parameter is on a device: an asynchronous copy may still read it.
+        recycle = all(p.device.type == "cpu" for p in model.parameters())
         errors = []
         for address in ordered:
             try:
-                transfer = open_transfer(address, targets)
+                transfer = open_transfer(address, targets, recycle)
             except NetLoadError as exc:
                 log.warning("netloader: seed failed", seed=address, error=str(exc))
                 errors.append(str(exc))
@@ -182,8 +185,8 @@ class NetLoader(DefaultModelLoader):
         # the ranks of one instance share its host's link: its streams are split between them
         streams = max(1, int(self.settings.get("streams", STREAMS)) // (rank["tp_size"] * rank["pp_size"]))
         timeout_s = float(self.settings.get("timeout_s", 30.0))
-        return ordered, lambda address, targets: transport(address, token, own, rank, timeout_s, max_bytes,
-                                                           streams=streams, targets=targets)
+        return ordered, lambda address, targets, recycle: transport(address, token, own, rank, timeout_s, max_bytes,
+                                                                    streams=streams, targets=targets, recycle=recycle)
 
     def _sources(self, config_sha256: str, token: str) -> list[str]:
         sources = list(self.settings.get("sources") or [])

@@ -131,16 +131,18 @@ def seeds(model_dir, monkeypatch):
             "bad": Seed(_CorruptsLast(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5),
             "dead": Seed(_DiesInLast(index), TOKEN, "127.0.0.1", 0, handshake_s=5, idle_s=5)}
 
-    def transport(address, token, own, rank, timeout_s, max_bytes=None, *, streams=1, targets=None):
+    def transport(address, token, own, rank, timeout_s, max_bytes=None, *, streams=1, targets=None, recycle=False):
         seed = made[address.split(":")[0]]
 
         def connect():
             ours, theirs = socket.socketpair()
             threading.Thread(target=seed._serve, args=(theirs, ("unit", 0)), daemon=True).start()
             return ours
+        transport.recycle.append(recycle)
         return open_transfer(address, token, own, rank, timeout_s, max_bytes, streams=streams, connect=connect,
-                             targets=targets)
+                             targets=targets, recycle=recycle)
 
+    transport.recycle = []  # what each open was told
     made["bad"].source.go.set()  # a test that wants the last tensor held back clears it
     made["dead"].source.go.set()
     monkeypatch.setitem(netloader.TRANSPORTS, "unit", transport)
@@ -173,6 +175,7 @@ def test_weights_from_a_seed_stream_into_the_model_received_in_place(model_dir, 
     model = _load(model_dir, ["good:1"])
     assert model.calls == [sorted(model.calls[0])] and len(model.calls[0]) == 4 and seeds["good"].served == 1
     assert sorted(model.in_place) == ["a.weight", "b.weight", "c.bias", "d.weight"]  # no copy, no host buffer
+    assert netloader.TRANSPORTS["unit"].recycle == [True]  # parameters in host memory: buffers may be reused
 
 
 @pytest.mark.parametrize("kind", [Transposing, Scaling])

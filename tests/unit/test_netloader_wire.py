@@ -505,6 +505,60 @@ def test_targets_of_the_same_dtype_and_shape_are_received_in_place(model, small_
     assert transfer.changed_in_place() == ["embed.weight"]
 
 
+class _Paced(MemorySource):
+    """Sends the next tensor only once the joiner's caller is done with the one before (`done`)."""
+
+    def __init__(self, index):
+        super().__init__(index)
+        self.done = threading.Semaphore(0)
+
+    def send(self, sock, entry, offset=0, count=None):
+        super().send(sock, entry, offset, count)
+        self.done.acquire(timeout=10)
+
+
+def test_a_buffer_the_caller_let_go_of_receives_a_later_tensor_and_one_it_holds_never_does(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Layers"], "model_type": "layers"}))
+    gen = torch.Generator().manual_seed(11)
+    want = {f"layers.{i}.weight": torch.randn(16, 32, generator=gen) for i in range(8)}
+    want["norm.weight"] = torch.randn(32, generator=gen)  # a size of its own: always fresh
+    save_file(want, str(tmp_path / "model.safetensors"))
+    source = _Paced(CheckpointIndex.scan(tmp_path))
+    seed = _seed(source)
+    held = {}
+    try:
+        transfer = _open(seed, tmp_path, 1, recycle=True)
+        k = -1
+        for name, tensor in transfer:  # (enumerate would hold each item until the next one comes)
+            k += 1
+            assert tensor.equal(want[name]), name
+            if k % 2:
+                held[name] = tensor[1:]  # a view holds the buffer as well as the tensor does
+            del tensor
+            source.done.release()
+    finally:
+        seed.stop()
+    names = [e["name"] for e in transfer.manifest]
+    # every tensor after one let go of, of the same size, took that one's buffer
+    assert transfer.recycled == sum(1 for k in range(0, len(names) - 1, 2)
+                                    if want[names[k]].shape == want[names[k + 1]].shape) >= 3
+    assert held and all(view.equal(want[name][1:]) for name, view in held.items())  # never overwritten
+
+
+def test_without_recycling_every_tensor_has_a_buffer_of_its_own(model, small_streams):
+    seed = _seed(MemorySource(CheckpointIndex.scan(model)))
+    try:
+        transfer = _open(seed, model, 2)
+        got = {}
+        for name, tensor in transfer:
+            got[name] = tensor.clone()
+            del tensor
+    finally:
+        seed.stop()
+    want = load_file(str(model / "model.safetensors"))
+    assert transfer.recycled == 0 and all(got[k].equal(want[k]) for k in want)
+
+
 # ---- sizes and deadlines -------------------------------------------------------------------------------
 def test_a_manifest_over_the_frame_header_limit_travels_as_the_join_acks_payload(tmp_path, small_streams):
     """A model of thousands of tensors: its manifest is far over a frame header's 64 KiB."""
