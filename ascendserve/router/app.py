@@ -21,7 +21,8 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from ascendserve.config import Config, ConfigError, environ, instance_url
+from ascendserve.config import Config, ConfigError, environ
+from ascendserve.config_checks import instance_url
 from ascendserve.dashboard.dashboard import Dashboard
 from ascendserve.dashboard.events import compose
 from ascendserve.protocol.openai import APIError, error_body
