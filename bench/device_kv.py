@@ -80,11 +80,11 @@ def cuda_kernels(device: str) -> tuple[bool, str]:
     """Whether native/'s CUDA kernels are loaded and passed their self-test on `device`."""
     if not device.startswith("cuda"):
         return False, "not a CUDA device"
-    from ascendserve import ops
+    from ascendserve import ops_cuda
 
-    if not ops.load_cuda():
-        return False, ops.cuda_why_not()
-    failed = ops.cuda_self_test(torch.device(device))
+    if not ops_cuda.load_cuda():
+        return False, ops_cuda.cuda_why_not()
+    failed = ops_cuda.cuda_self_test(torch.device(device))
     return (not failed), failed or "passed"
 
 
@@ -135,9 +135,9 @@ def run(device: str, mib: int, repeat: int) -> tuple[list[list], dict]:
                 view.index_select(0, idx)
 
         def gather_cuda():
-            from ascendserve import ops
+            from ascendserve import ops_cuda
 
-            ops.gather_runs_cuda(views, blocks, dev_dst[:nbytes])
+            ops_cuda.gather_runs_cuda(views, blocks, dev_dst[:nbytes])
 
         t_out = _median(stage_out, repeat, device)
         t_gather = _median(gather_torch, repeat, device)

@@ -3,7 +3,7 @@
 # libascendserve_xfer.so (the KV side channel's socket I/O off the GIL, a plain C
 # ABI for ctypes: ascendserve/connectors/transport/native.py) and, when
 # an nvcc is found, libascendserve_cuda.so (CUDA kernels behind a plain C ABI,
-# no torch: ascendserve/ops.py calls them through ctypes); copy them to OUT_DIR
+# no torch: ascendserve/ops_cuda.py calls them through ctypes); copy them to OUT_DIR
 # (default: ascendserve/_native/, where ascendserve/ops.py loads them).
 #
 #   native/build.sh [OUT_DIR]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ascendserve import ops
+from ascendserve import ops_cuda
 
 NUM_BLOCKS = 12
 LAYERS = 11  # more than 10: name order (layers.10 before layers.2) differs from memory order
@@ -29,7 +29,7 @@ HELD = [[3, 4, 5, 11], [0, 7, 7, 2], [9], [1, 2, 3, 4, 5, 6, 8, 10]]  # request 
 STAGING_BUDGET = 64 << 10
 # P's staged pages are gathered by the CUDA kernels' code (emulated on the CPU) when it is
 # built, D's staged pages scattered by torch's index ops: both copy codes of the device path
-PRODUCER_KERNELS = "emulated" if ops.cuda_library_built() else "torch"
+PRODUCER_KERNELS = "emulated" if ops_cuda.cuda_library_built() else "torch"
 
 
 @dataclass(frozen=True)

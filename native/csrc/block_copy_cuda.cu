@@ -1,7 +1,7 @@
 // libascendserve_cuda.so: CUDA kernels that copy KV-cache pages between a
 // paged device cache and a contiguous device staging buffer.
 //
-// A plain C ABI, no torch: ascendserve/ops.py calls it through ctypes with raw
+// A plain C ABI, no torch: ascendserve/ops_cuda.py calls it through ctypes with raw
 // device pointers and a cudaStream_t, so one build serves any CUDA build of
 // torch (and builds where torch is CPU-only). native/build.sh compiles it with
 // nvcc and links the CUDA runtime statically: at run time the library needs
@@ -18,7 +18,7 @@
 // view; buf is contiguous, [L, n, A, B, run_bytes], no padding.
 //   gather:  buf[l][i][a][b][:] = run (a, b) of block ids[i] of layer l
 //   scatter: the reverse.
-// Positions whose id is outside [0, num_blocks) are skipped: ops.py
+// Positions whose id is outside [0, num_blocks) are skipped: ops_cuda.py
 // range-checks ids before calling (an out-of-range id raises there), and marks
 // with -1 each scatter position that a later repeat of the same id overrides,
 // so "the last occurrence wins" costs the kernel one compare and keeps it

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ascendserve import ops
+from ascendserve import ops, ops_cuda
 from ascendserve.connectors.kv import staging
 from ascendserve.connectors.kv.pages import PagedKV
 from ascendserve.connectors.kv.staging import StagingPool, recv_units, send_units, units
@@ -45,7 +45,7 @@ def staged(views, budget: int, kernels: str = "torch") -> PagedKV:
 # the two ways a device gathers and scatters its pages: torch's index ops (Ascend, and CUDA
 # without ascendserve's kernels) and the CUDA kernels, whose launch runs here on the CPU
 EMULATED = pytest.param("emulated", marks=pytest.mark.skipif(
-    not ops.cuda_library_built(), reason="no libascendserve_cuda.so: native/build.sh found no nvcc"))
+    not ops_cuda.cuda_library_built(), reason="no libascendserve_cuda.so: native/build.sh found no nvcc"))
 KERNELS = ["torch", EMULATED]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ascendserve import ops
+from ascendserve import ops, ops_cuda
 
 REPO = Path(__file__).resolve().parents[2]
 LIB = "libascendserve_cuda.so"
@@ -58,8 +58,8 @@ def built(tmp_path_factory):
 @pytest.fixture(scope="session")
 def library(request):
     """The library to test: built here when nvcc exists, else ascendserve/_native's (a GPU host without nvcc)."""
-    if find_nvcc() is None and os.path.exists(ops.CUDA_LIBRARY):
-        return ops.CUDA_LIBRARY
+    if find_nvcc() is None and os.path.exists(ops_cuda.CUDA_LIBRARY):
+        return ops_cuda.CUDA_LIBRARY
     return str(request.getfixturevalue("built")[0] / LIB)
 
 
@@ -67,16 +67,16 @@ def library(request):
 def lib(library):
     """The library through plain ctypes (works without a driver), the emulation entry point bound."""
     cdll = ctypes.CDLL(library)
-    ops._bind(cdll)
+    ops_cuda._bind(cdll)
     return cdll
 
 
 @pytest.fixture
 def fresh_cuda_state(monkeypatch):
     """load_cuda as in a new process (restored afterwards)."""
-    monkeypatch.setattr(ops, "_cuda", None)
-    monkeypatch.setattr(ops, "_cuda_tried", False)
-    monkeypatch.setattr(ops, "_cuda_why_not", "not loaded yet")
+    monkeypatch.setattr(ops_cuda, "_cuda", None)
+    monkeypatch.setattr(ops_cuda, "_cuda_tried", False)
+    monkeypatch.setattr(ops_cuda, "_cuda_why_not", "not loaded yet")
 
 
 # ---- build and load ------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_failed_nvcc_still_ships_the_cpu_library(built, tmp_path):
 
 
 def test_library_loads_without_a_driver_and_exports_its_abi(lib, library):
-    assert lib.asv_cuda_abi_version() == ops.CUDA_ABI_VERSION == 1
+    assert lib.asv_cuda_abi_version() == ops_cuda.CUDA_ABI_VERSION == 1
     for name in EXPORTS:
         assert hasattr(lib, name), name
     assert lib.asv_cuda_error_string(0) == b"no error"
@@ -125,17 +125,17 @@ def test_library_loads_without_a_driver_and_exports_its_abi(lib, library):
 def test_load_cuda_without_a_device_says_so(lib, library, fresh_cuda_state):
     if lib.asv_cuda_device_count() > 0:
         pytest.skip("this host has a CUDA device")
-    assert ops.load_cuda(library) is False
-    assert ops.cuda_why_not().startswith("no CUDA device (cudaGetDeviceCount: "), ops.cuda_why_not()
-    assert ops.load_cuda() is False  # remembered, still no raise
+    assert ops_cuda.load_cuda(library) is False
+    assert ops_cuda.cuda_why_not().startswith("no CUDA device (cudaGetDeviceCount: "), ops_cuda.cuda_why_not()
+    assert ops_cuda.load_cuda() is False  # remembered, still no raise
 
 
 def test_load_cuda_without_the_library_says_how_to_build_it(tmp_path, fresh_cuda_state):
-    assert ops.load_cuda(str(tmp_path / LIB)) is False
-    assert "libascendserve_cuda.so not found" in ops.cuda_why_not()
-    assert "native/build.sh" in ops.cuda_why_not()
+    assert ops_cuda.load_cuda(str(tmp_path / LIB)) is False
+    assert "libascendserve_cuda.so not found" in ops_cuda.cuda_why_not()
+    assert "native/build.sh" in ops_cuda.cuda_why_not()
     with pytest.raises(RuntimeError, match="not found"):
-        ops._cuda_lib()
+        ops_cuda._cuda_lib()
 
 
 def test_load_cuda_refuses_another_abi(tmp_path, fresh_cuda_state):
@@ -147,8 +147,8 @@ def test_load_cuda_refuses_another_abi(tmp_path, fresh_cuda_state):
                    "const char* asv_cuda_error_string(int c) { return \"fake\"; }\n"
                    "int asv_cuda_gather_runs(void) { return 0; }\nint asv_cuda_scatter_runs(void) { return 0; }\n")
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / LIB), str(src)], check=True)
-    assert ops.load_cuda(str(tmp_path / LIB)) is False
-    assert "ABI version 2, this ascendserve needs 1" in ops.cuda_why_not()
+    assert ops_cuda.load_cuda(str(tmp_path / LIB)) is False
+    assert "ABI version 2, this ascendserve needs 1" in ops_cuda.cuda_why_not()
 
 
 # ---- the wrappers' checks (CPU tensors: no CUDA call may happen) ---------------------
@@ -183,12 +183,12 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-@pytest.mark.parametrize("fn", [ops.gather_runs_cuda, ops.scatter_runs_cuda])
+@pytest.mark.parametrize("fn", [ops_cuda.gather_runs_cuda, ops_cuda.scatter_runs_cuda])
 def test_bad_arguments_raise_value_error_before_cuda(fn, case, monkeypatch):
     def touched():
         raise AssertionError("the CUDA library was reached before the arguments were checked")
 
-    monkeypatch.setattr(ops, "_cuda_lib", touched)
+    monkeypatch.setattr(ops_cuda, "_cuda_lib", touched)
     change, message = BAD[case]
     args = cpu_case(**change)
     with pytest.raises(ValueError, match=message):
@@ -197,18 +197,18 @@ def test_bad_arguments_raise_value_error_before_cuda(fn, case, monkeypatch):
 
 def test_view_shapes_normalize_to_four_dims():
     cache = torch.zeros(1000, dtype=torch.uint8)
-    assert ops._run_geometry(torch, [cache.as_strided((5, 40), (100, 1))]) == ops._Runs(5, 1, 1, 40, 100, 0, 0)
-    assert ops._run_geometry(torch, [cache.as_strided((5, 2, 40), (100, 50, 1))]) == ops._Runs(5, 2, 1, 40, 100, 50, 0)
-    assert ops._run_geometry(torch, [cache.as_strided((5, 2, 3, 8), (100, 50, 10, 1))]) == \
-        ops._Runs(5, 2, 3, 8, 100, 50, 10)
+    assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 40), (100, 1))]) == ops_cuda._Runs(5, 1, 1, 40, 100, 0, 0)
+    assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 2, 40), (100, 50, 1))]) == ops_cuda._Runs(5, 2, 1, 40, 100, 50, 0)
+    assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 2, 3, 8), (100, 50, 10, 1))]) == \
+        ops_cuda._Runs(5, 2, 3, 8, 100, 50, 10)
 
 
 def test_last_wins_marks_overridden_repeats():
-    assert ops._last_wins(np.array([5, 2, 5, 11, 5])).tolist() == [-1, 2, -1, 11, 5]
-    assert ops._last_wins(np.array([3, 1, 3])).tolist() == [-1, 1, 3]
+    assert ops_cuda._last_wins(np.array([5, 2, 5, 11, 5])).tolist() == [-1, 2, -1, 11, 5]
+    assert ops_cuda._last_wins(np.array([3, 1, 3])).tolist() == [-1, 1, 3]
     distinct = np.array([4, 0, 9])
-    assert ops._last_wins(distinct) is distinct
-    assert ops._last_wins(np.array([], np.int64)).size == 0
+    assert ops_cuda._last_wins(distinct) is distinct
+    assert ops_cuda._last_wins(np.array([], np.int64)).size == 0
 
 
 # ---- the kernels' code, emulated on the CPU, against numpy ------------------------------
@@ -265,7 +265,7 @@ class Caches:
         return [s.as_strided(size, stride, self.offset + self.pitch) for s in storages]
 
     def geometry(self):
-        return ops._run_geometry(torch, self.torch_views([torch.from_numpy(s) for s in self.storages]))
+        return ops_cuda._run_geometry(torch, self.torch_views([torch.from_numpy(s) for s in self.storages]))
 
     def buffer(self, n):
         """A random buffer for n ids, starting buf_offset bytes into its allocation."""
@@ -309,7 +309,7 @@ def test_emulated_scatter_equals_numpy_last_repeat_wins(lib, name):
     caches = Caches(GEOMETRIES[name], seed=1)
     buf = caches.buffer(len(SCATTER_IDS))
     expect = caches.scattered(SCATTER_IDS, buf)
-    assert emulate(lib, True, caches, ops._last_wins(np.array(SCATTER_IDS)), buf) == 0
+    assert emulate(lib, True, caches, ops_cuda._last_wins(np.array(SCATTER_IDS)), buf) == 0
     for got, want in zip(caches.storages, expect):  # every byte: gaps and other blocks untouched
         assert np.array_equal(got, want)
 
@@ -343,7 +343,7 @@ def test_plan_refuses_bad_scalars_and_accepts_empty_copies(lib):
 # ---- on a GPU ---------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def cuda_kernels(library):
-    assert ops.load_cuda(library), ops.cuda_why_not()
+    assert ops_cuda.load_cuda(library), ops_cuda.cuda_why_not()
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -359,7 +359,7 @@ def test_gpu_gather_equals_numpy(cuda_kernels, name):
     storages, views = on_device(caches, cuda_kernels)
     buf = torch.from_numpy(caches.buffer(len(GATHER_IDS)).copy()).to(cuda_kernels)
     before = ops.calls["cuda"]
-    ops.gather_runs_cuda(views, GATHER_IDS, buf)
+    ops_cuda.gather_runs_cuda(views, GATHER_IDS, buf)
     assert ops.calls["cuda"] - before == 1
     assert np.array_equal(buf.cpu().numpy(), caches.gathered(GATHER_IDS))
     assert all(np.array_equal(s.cpu().numpy(), c) for s, c in zip(storages, caches.storages))
@@ -379,7 +379,7 @@ def test_gpu_scatter_equals_numpy_last_repeat_wins(cuda_kernels, name, stream_ki
               "torch.Stream": torch.Stream(device=cuda_kernels)}[stream_kind]
     if stream is not None:
         stream.wait_stream(current)
-    ops.scatter_runs_cuda(views, torch.tensor(SCATTER_IDS, device=cuda_kernels), buf, stream=stream)
+    ops_cuda.scatter_runs_cuda(views, torch.tensor(SCATTER_IDS, device=cuda_kernels), buf, stream=stream)
     if stream is not None:
         current.wait_stream(stream)
     for got, want in zip(storages, expect):
@@ -394,12 +394,12 @@ def test_gpu_round_trip_of_a_large_cache(cuda_kernels):
                                             2 * 256) for c in caches]
     ids = torch.randperm(512)[:300].tolist()
     buf = torch.empty(4 * 300 * 2 * 16 * 4 * 256, dtype=torch.uint8, device=cuda_kernels)
-    ops.gather_runs_cuda(views, ids, buf)
+    ops_cuda.gather_runs_cuda(views, ids, buf)
     want = torch.stack([v[torch.tensor(ids, device=cuda_kernels)] for v in views]).reshape(-1)
     assert torch.equal(buf, want)
     back = [torch.zeros_like(c) for c in caches]
     back_views = [b.view(torch.uint8).as_strided(v.shape, v.stride(), 2 * 256) for b, v in zip(back, views)]
-    ops.scatter_runs_cuda(back_views, ids, buf)
+    ops_cuda.scatter_runs_cuda(back_views, ids, buf)
     for c, b in zip(caches, back):
         assert torch.equal(c[:, ids, :, 2:6], b[:, ids, :, 2:6])
         assert not b[:, :, :, :2].any() and not b[:, :, :, 6:].any()
@@ -407,7 +407,7 @@ def test_gpu_round_trip_of_a_large_cache(cuda_kernels):
 
 @GPU
 def test_gpu_self_test_passes(cuda_kernels):
-    assert ops.cuda_self_test(cuda_kernels) == ""
+    assert ops_cuda.cuda_self_test(cuda_kernels) == ""
 
 
 @GPU

@@ -38,7 +38,7 @@ import numpy as np
 import structlog
 import torch
 
-from ascendserve import ops
+from ascendserve import ops_cuda
 from ascendserve.connectors.kv import page_geometry
 from ascendserve.connectors.kv.staging import DEFAULT_BUDGET, StagingPool
 from ascendserve.connectors.transport.native import Runs
@@ -332,11 +332,11 @@ class PagedKV:
     def _copy_runs(self, scatter: bool, view: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
                    side: "_SideStream") -> None:
         if self.kernels == "emulated":
-            ops.emulate_runs_cuda(scatter, [view], idx, staged)
+            ops_cuda.emulate_runs_cuda(scatter, [view], idx, staged)
         elif scatter:
-            ops.scatter_runs_cuda([view], idx, staged, stream=side.stream)
+            ops_cuda.scatter_runs_cuda([view], idx, staged, stream=side.stream)
         else:
-            ops.gather_runs_cuda([view], idx, staged, stream=side.stream)
+            ops_cuda.gather_runs_cuda([view], idx, staged, stream=side.stream)
 
     @staticmethod
     def wait(event) -> None:
@@ -434,12 +434,12 @@ _kernel_ok: dict[int, bool] = {}  # CUDA device index -> whether its copies use 
 
 def _kernels_on(device: torch.device) -> bool:
     """Whether ascendserve's CUDA kernels stage pages on this CUDA device: they loaded
-    and passed `ops.cuda_self_test` there (run once per device, a few milliseconds,
+    and passed `ops_cuda.cuda_self_test` there (run once per device, a few milliseconds,
     logged). Elsewhere torch's index ops copy the same bytes."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _kernel_lock:
         if index not in _kernel_ok:
-            problem = ops.cuda_self_test(torch.device("cuda", index))
+            problem = ops_cuda.cuda_self_test(torch.device("cuda", index))
             _kernel_ok[index] = not problem
             if problem:
                 log.warning("KV staging uses torch's index ops, not ascendserve's CUDA kernels",
