@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Annotated
 
 import msgspec
 
@@ -142,6 +141,10 @@ class Ledger:
         self.want_ids = bool(self.body.get("return_token_ids"))
         options = self.body.get("stream_options") if self.stream else None
         self.want_usage = not self.stream or bool(isinstance(options, dict) and options.get("include_usage"))
+        logprobs = self.body.get("logprobs")
+        # every event of these carries logprobs or usage: relay() would only decode them to give them to feed()
+        self.plain = (logprobs is None or logprobs is False) and not (
+            isinstance(options, dict) and options.get("continuous_usage_stats"))
         self.stops = _stops(self.body)
         self.include_stop = bool(self.body.get("include_stop_str_in_output"))
         self.limit = self.body.get("max_tokens") if self.kind == "completions" else \
@@ -198,29 +201,34 @@ class Ledger:
 
     def relay(self, evs: list, out: list[bytes], start: int = 0) -> int:
         """feed()'s fast path, for the run of `evs` from `start` (raw payloads of one read) that are plain
-        token events of the first leg: the ledger learns their ids and text from a typed decode of
-        the few fields it needs, and the client gets the engine's very bytes (token ids nulled in
-        place when it did not ask for them) appended to `out`, with no decode into dicts and no
+        token events of the first leg: one typed decode of the run (msgspec, the few fields the ledger
+        needs) tells their ids and text, and the client gets the engine's very bytes (token ids nulled
+        in place when it did not ask for them) appended to `out`, with no decode into dicts and no
         re-encoding. Returns how many it took; feed() takes the rest (an item that is not bytes, the
-        first event, usage and error events, logprobs, a role or tool chunk, a terminal event held
-        for its fingerprint, anything that does not decode as expected, a continuation)."""
-        if self.migrations or not self.head:
+        first event, usage and error events, a role or tool chunk, a terminal event held for its
+        fingerprint, anything that does not decode as expected, a continuation, and every event of a
+        request for logprobs or continuous usage stats)."""
+        if not self.plain or self.migrations or not self.head:
             return 0
+        n, end = start, len(evs)
+        while n < end and evs[n].__class__ is bytes:
+            n += 1
+        if n == start:
+            return 0
+        run = evs[start:n]
+        try:
+            decoded = _decode_run(b"[" + b",".join(run) + b"]") if len(run) > 1 else [_decode_token(run[0])]
+        except msgspec.DecodeError:  # ValidationError is one: some event is not a token's
+            decoded = []
+            for payload in run:  # those before it
+                try:
+                    decoded.append(_decode_token(payload))
+                except msgspec.DecodeError:
+                    break
         chat, null_ids = self.kind == "chat", not self.want_ids
-        run = evs[start:] if start else evs
-        if len(run) > 1 and all(p.__class__ is bytes for p in run):
-            whole = self._relay_run(run, out, chat, null_ids)
-            if whole:
-                return len(run)
         taken = 0
-        for payload in run:
-            if payload.__class__ is not bytes:
-                break
-            try:
-                ev = _decode_token(payload)
-            except msgspec.DecodeError:  # ValidationError is one
-                break
-            if len(ev.choices) != 1:
+        for ev in decoded:
+            if ev.usage is not None or len(ev.choices) != 1:
                 break
             choice = ev.choices[0]
             finish = choice.finish_reason
@@ -236,7 +244,7 @@ class Ledger:
                 text = choice.text
                 prompt_ids = choice.prompt_token_ids
             ids = choice.token_ids
-            if null_ids and payload.count(b'token_ids":[') != \
+            if null_ids and run[taken].count(b'token_ids":[') != \
                     (ids is not None) + (ev.prompt_token_ids is not None) + (choice.prompt_token_ids is not None):
                 break  # another key ending in token_ids: feed() edits only ours
             if text:
@@ -249,40 +257,11 @@ class Ledger:
                 self.finish_reason, self.stop_reason = finish, choice.stop_reason
             if ev.system_fingerprint is not msgspec.UNSET:
                 self.fingerprint = ev.system_fingerprint
-            if self.stream:
-                out.append(b"data: " + (_NULL_IDS(b'token_ids":null', payload) if null_ids else payload) + b"\n\n")
             taken += 1
+        if taken and self.stream:
+            joined = b"data: " + b"\n\ndata: ".join(run[:taken] if taken < len(run) else run) + b"\n\n"
+            out.append(_NULL_IDS(b'token_ids":null', joined) if null_ids else joined)
         return taken
-
-    def _relay_run(self, run: list[bytes], out: list[bytes], chat: bool, null_ids: bool) -> bool:
-        """relay() of a whole read of tokens at once, when they are all plain and none is the last."""
-        try:
-            batch = (_decode_chat_run if chat else _decode_cmpl_run)(b"[" + b",".join(run) + b"]")
-        except msgspec.DecodeError:
-            return False
-        if self.stream:
-            joined = b"data: " + b"\n\ndata: ".join(run) + b"\n\n"
-            if null_ids:
-                joined, n = _NULL_IDS_N(b'token_ids":null', joined)
-                if n != len(run):
-                    return False
-            out.append(joined)
-        generated = self.generated
-        if chat:
-            for ev in batch:
-                choice = ev.choices[0]
-                generated += choice.token_ids
-                self.text += choice.delta.content
-        else:
-            for ev in batch:
-                choice = ev.choices[0]
-                generated += choice.token_ids
-                self.text += choice.text
-        for ev in reversed(batch):
-            if ev.system_fingerprint is not msgspec.UNSET:
-                self.fingerprint = ev.system_fingerprint
-                break
-        return True
 
     def _advance_offset(self, logprobs) -> None:
         if isinstance(logprobs, dict) and logprobs.get("tokens"):
@@ -565,6 +544,14 @@ def _joined_logprobs(parts: list) -> dict | None:
 
 def payloads(data: bytes) -> tuple[list[bytes], bool]:
     """Whole SSE events (SSEFramer's output) -> their JSON payloads (not decoded), and whether [DONE] came."""
+    if data.startswith(b"data: ") and data.endswith(b"\n\n"):  # vLLM's: one "data: " line per event
+        parts = data[6:-2].split(b"\n\ndata: ")  # (JSON escapes a newline: no payload holds one)
+        if data.count(b"\n") == 2 * len(parts) and b"" not in parts:
+            done = parts[-1] == b"[DONE]"
+            if done:
+                parts.pop()
+            if b"[DONE]" not in parts:
+                return parts, done
     out, done = [], False
     for block in data.split(b"\n\n"):
         if block.startswith(b"data: {") and b"\n" not in block:  # one line, as vLLM writes every event
@@ -589,54 +576,18 @@ class _Choice(msgspec.Struct):
     prompt_token_ids: list[int] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None  # logprobs take feed()
+    logprobs: None = None  # a request for logprobs never takes relay()
 
 
 class _Token(msgspec.Struct):
     choices: list[_Choice]  # an error event has none: feed() raises it
     prompt_token_ids: list[int] | None = None
-    usage: None = None  # a usage event, or continuous usage stats, take feed()
+    usage: dict | None = None  # the usage event (the last of a read, most often) decodes, and stops the run
     system_fingerprint: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 _decode_token = msgspec.json.Decoder(_Token).decode
-
-
-class _Content(msgspec.Struct, forbid_unknown_fields=True):
-    content: str
-
-
-class _CmplChoice(msgspec.Struct):  # a plain token of a run: none of these fields may be other than this
-    text: str
-    token_ids: list[int]
-    finish_reason: None = None
-    logprobs: None = None
-    prompt_token_ids: None = None
-
-
-class _ChatChoice(msgspec.Struct):
-    delta: _Content
-    token_ids: list[int]
-    finish_reason: None = None
-    logprobs: None = None
-
-
-class _CmplToken(msgspec.Struct):
-    choices: Annotated[list[_CmplChoice], msgspec.Meta(min_length=1, max_length=1)]
-    usage: None = None
-    system_fingerprint: str | None | msgspec.UnsetType = msgspec.UNSET
-
-
-class _ChatToken(msgspec.Struct):
-    choices: Annotated[list[_ChatChoice], msgspec.Meta(min_length=1, max_length=1)]
-    prompt_token_ids: None = None
-    usage: None = None
-    system_fingerprint: str | None | msgspec.UnsetType = msgspec.UNSET
-
-
-_decode_cmpl_run = msgspec.json.Decoder(list[_CmplToken]).decode
-_decode_chat_run = msgspec.json.Decoder(list[_ChatToken]).decode
-_NULL_IDS_N = re.compile(rb'token_ids":\[[^\]]*\]').subn
+_decode_run = msgspec.json.Decoder(list[_Token]).decode
 _NULL_IDS = re.compile(rb'token_ids":\[[^\]]*\]').sub  # a literal prefix: re finds it at memchr's pace
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode

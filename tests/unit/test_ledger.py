@@ -189,9 +189,17 @@ def test_a_non_streaming_answer_has_vllms_fields_in_vllms_order():
     assert body["choices"][0]["token_ids"] == [5] and body["prompt_token_ids"] == [1, 2, 3]
 
 
-def test_sse_events_are_parsed_whole():
-    evs, done = payloads(b'data: {"a": 1}\n\ndata:{"b": 2}\r\n\n: a comment\n\ndata: [DONE]\n\n')
-    assert evs == [b'{"a": 1}', b'{"b": 2}'] and done
+@pytest.mark.parametrize("data, want", [
+    (b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n', ([b'{"a": 1}', b'{"b": 2}'], True)),  # vLLM's
+    (b'data: {"a": 1}\n\n', ([b'{"a": 1}'], False)),
+    (b'data: [DONE]\n\n', ([], True)),
+    (b'data: {"a": 1}\n\ndata:{"b": 2}\r\n\n: a comment\n\ndata: [DONE]\n\n', ([b'{"a": 1}', b'{"b": 2}'], True)),
+    (b'data: {"a": 1}\n\ndata: \n\ndata: {"b": 2}\n\n', ([b'{"a": 1}', b'{"b": 2}'], False)),  # an empty one
+    (b'data: {"a": 1}\nid: 7\n\n', ([b'{"a": 1}'], False)),  # another field in the event
+    (b'data: [DONE]\n\ndata: {"a": 1}\n\n', ([b'{"a": 1}'], True)),
+])
+def test_sse_events_are_parsed_whole(data, want):
+    assert payloads(data) == want
 
 
 def _cmpl_stream() -> list[dict]:
