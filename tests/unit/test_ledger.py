@@ -249,15 +249,23 @@ def _relayed(kind: str, body: dict, evs: list[dict], per_read: int, fast: bool) 
 @pytest.mark.parametrize("ask", [{"stream": True}, {"stream": True, "return_token_ids": True},
                                  {"stream": True, "stream_options": {"include_usage": True}},
                                  {"stream": True, "return_token_ids": True,
-                                  "stream_options": {"include_usage": True}}, {}])
+                                  "stream_options": {"include_usage": True}}, {},
+                                 {"stream": True, "logprobs": 1},
+                                 {"stream": True, "stream_options": {"include_usage": True,
+                                                                     "continuous_usage_stats": True}}])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_plain_token_events_are_relayed_as_their_bytes_exactly_as_feed_would_send_them(kind, ask, per_read):
     body = ({"prompt": "hi"} if kind == "completions" else {"messages": [{"role": "user", "content": "hi"}]}) | ask
+    if kind == "chat" and "logprobs" in body:
+        body["logprobs"] = True
     evs = _cmpl_stream() if kind == "completions" else _chat_stream()
     want, want_state, _ = _relayed(kind, body, evs, per_read, fast=False)
     got, state, taken = _relayed(kind, body, evs, per_read, fast=True)
     assert got == want and state == want_state
-    assert taken >= 2  # plain token events did go the fast way
+    if "logprobs" in body or "continuous_usage_stats" in body.get("stream_options", {}):
+        assert taken == 0  # every event carries them: all go through feed()
+    else:
+        assert taken >= 2  # plain token events did go the fast way
     if body.get("stream") and not body.get("return_token_ids"):
         assert b'token_ids":[' not in got.replace(b'"draft_token_ids":[3]', b"")
 
