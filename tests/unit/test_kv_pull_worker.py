@@ -232,6 +232,11 @@ def test_announced_hold_is_read_before_any_step_registers_it(pair):
         announcer.announce("req-p", [3, 4], 30.0)
         d.start_load_kv(PullMetadata(recv=[RecvPlan("req-d", [7, 1], [3, 4], "127.0.0.1", port, "req-p")]))
         _, _, failed = results_until(d, lambda g: "req-d" in g[1])
+        # the announcer's thread counts its HOLD once sendall returns: on a loaded host P may have served
+        # D's READ of it before that thread runs again
+        deadline = time.monotonic() + 2
+        while announcer.sent < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not failed and announcer.sent == 1
         for src, dst in zip(p.kv.layers, d.kv.layers):
             assert torch.equal(src[[3, 4]], dst[[7, 1]])
