@@ -163,3 +163,13 @@ def route_structlog_to_stdlib() -> None:
 
 def get_logger(name: str = "ascendserve") -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name)
+
+
+def log_library(logger: str, loaded: bool, library: str, used: str, instead: str, reason: str) -> None:
+    """The one line saying what a native library's loading left a process with: `used` (naming the
+    library) when it loaded, else `instead` with the reason."""
+    log = get_logger(logger)
+    if loaded:
+        log.info(used, library=library)
+    else:
+        log.info(instead, reason=reason)

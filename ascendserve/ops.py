@@ -83,13 +83,10 @@ def _registered(torch) -> bool:
 
 
 def _log_backend(path: str) -> None:
-    from ascendserve.logging import get_logger
+    from ascendserve.logging import log_library
 
-    log = get_logger("ascendserve.ops")
-    if _native is not None:
-        log.info("block copy ops: native", library=path)
-    else:
-        log.info("block copy ops: reference (numpy on CPU, torch on devices)", reason=_why_not)
+    log_library("ascendserve.ops", _native is not None, path, "block copy ops: native",
+                "block copy ops: reference (numpy on CPU, torch on devices)", _why_not)
 
 
 def _ops():

@@ -123,13 +123,10 @@ def _no_device_detail(lib, count: int) -> str:
 
 
 def _log_cuda(path: str) -> None:
-    from ascendserve.logging import get_logger
+    from ascendserve.logging import log_library
 
-    log = get_logger("ascendserve.ops_cuda")
-    if _cuda is not None:
-        log.info("CUDA block copy kernels: loaded", library=path)
-    else:
-        log.info("CUDA block copy kernels: not available", reason=_cuda_why_not)
+    log_library("ascendserve.ops_cuda", _cuda is not None, path, "CUDA block copy kernels: loaded",
+                "CUDA block copy kernels: not available", _cuda_why_not)
 
 
 def _cuda_lib():

@@ -148,13 +148,10 @@ def load(path: str | None = None) -> bool:
 
 
 def _log(path: str) -> None:
-    from ascendserve.logging import get_logger
+    from ascendserve.logging import log_library
 
-    log = get_logger("ascendserve.kv.native")
-    if _lib is not None:
-        log.info("KV transfer I/O: native (off the GIL)", library=path)
-    else:
-        log.info("KV transfer I/O: Python sockets", reason=_why_not)
+    log_library("ascendserve.kv.native", _lib is not None, path, "KV transfer I/O: native (off the GIL)",
+                "KV transfer I/O: Python sockets", _why_not)
 
 
 def enabled() -> bool:
