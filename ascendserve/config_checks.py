@@ -1,7 +1,7 @@
 """The config's second half: what follows from the merged values (runtime dir, instance id, the
 proxy's and NetLoader's addresses expanded and checked, KV events' defaults) and the checks that
 span keys (the KV connector, parallelism, the registry, callback URLs, the model directory).
-`config.load()` ends here; it imports this module when it runs (this one imports it).
+`config.load()` ends here.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import re
 import socket
 from pathlib import Path
 
-from ascendserve.config import ClusterConfig, Config, ConfigError, ProxyConfig, RegistryConfig
+from ascendserve.config_schema import ClusterConfig, Config, ConfigError, ProxyConfig, RegistryConfig
 from ascendserve.flags import ROLES
+from ascendserve.security import check
 
 
 def finish(config: Config, env: dict[str, str]) -> Config:
@@ -73,8 +74,6 @@ def finish(config: Config, env: dict[str, str]) -> Config:
     _check_registry(config)
     if config.role == "proxy":
         _finish_proxy(config.proxy, config.cluster, config.registry)
-    from ascendserve.security import check
-
     check(config)
     return config
 

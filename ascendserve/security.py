@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ascendserve.config import Config, ConfigError
+from ascendserve.config_schema import Config, ConfigError
 
 TLS_ROLES = ("proxy", "metaserver")
 
