@@ -589,7 +589,6 @@ class _Token(msgspec.Struct):
 _decode_token = msgspec.json.Decoder(_Token).decode
 _decode_run = msgspec.json.Decoder(list[_Token]).decode
 _NULL_IDS = re.compile(rb'token_ids":\[[^\]]*\]').sub  # a literal prefix: re finds it at memchr's pace
-_decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
