@@ -197,8 +197,10 @@ def test_bad_arguments_raise_value_error_before_cuda(fn, case, monkeypatch):
 
 def test_view_shapes_normalize_to_four_dims():
     cache = torch.zeros(1000, dtype=torch.uint8)
-    assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 40), (100, 1))]) == ops_cuda._Runs(5, 1, 1, 40, 100, 0, 0)
-    assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 2, 40), (100, 50, 1))]) == ops_cuda._Runs(5, 2, 1, 40, 100, 50, 0)
+    assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 40), (100, 1))]) == \
+        ops_cuda._Runs(5, 1, 1, 40, 100, 0, 0)
+    assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 2, 40), (100, 50, 1))]) == \
+        ops_cuda._Runs(5, 2, 1, 40, 100, 50, 0)
     assert ops_cuda._run_geometry(torch, [cache.as_strided((5, 2, 3, 8), (100, 50, 10, 1))]) == \
         ops_cuda._Runs(5, 2, 3, 8, 100, 50, 10)
 
