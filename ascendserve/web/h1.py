@@ -14,13 +14,16 @@ Semantics kept from the aiohttp session it replaces (web/upstream.py):
   5 s keep-alive, so a POST never goes out on a socket the engine is closing);
 - `Response.close()` before the end of the answer closes the connection, which aborts the
   request on the engine; a fully read answer returns its connection to the pool;
-- no Accept-Encoding is sent, so engines answer uncompressed; answers are not decompressed.
+- no Accept-Encoding is sent, so engines answer uncompressed; answers are not decompressed;
+- a host name's addresses are looked up once per `DNS_TTL_S` (aiohttp's default TTL), not on every
+  new connection, and looked up again at once when a connection to them fails (a pod moved).
 Errors are ConnectionError subclasses (what the callers already catch for aiohttp's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import ssl as ssl_module
 import time
@@ -30,6 +33,7 @@ from urllib.parse import urlsplit
 import httptools
 
 KEEPALIVE_S = 4.0
+DNS_TTL_S = 10.0
 PAUSE_AT = 4 << 20  # unread answer bytes held before the socket's reading pauses
 _URL_CACHE_MAX = 4096
 
@@ -280,6 +284,23 @@ class _Conn(asyncio.Protocol):
                 self.transport.close()
 
 
+async def _open_socket(infos: list, loop) -> socket.socket:
+    """A socket connected to the first of getaddrinfo's addresses that takes the connection."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+            return sock
+        except BaseException as exc:  # a deadline's cancellation too: no socket is left open
+            sock.close()
+            if not isinstance(exc, OSError):
+                raise
+            error = exc
+    raise error or OSError("no address")
+
+
 class Client:
     """Keep-alive connections per (scheme, host, port); `post()` sends one request on one of them."""
 
@@ -291,6 +312,7 @@ class Client:
         self._idle: dict[tuple, list[_Conn]] = {}
         self._all: set[_Conn] = set()
         self._urls: dict[str, tuple[tuple, bytes, str]] = {}
+        self._dns: dict[tuple[str, int], tuple[float, list]] = {}  # (host, port) -> (until, getaddrinfo's answer)
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -320,16 +342,40 @@ class Client:
             context = self._ssl if self._ssl is not None else ssl_module.create_default_context()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Conn(self, key, loop), host, port, ssl=context,
+                sock = await _open_socket(await self._addresses(host, port, loop), loop)
+                _, conn = await loop.create_connection(lambda: _Conn(self, key, loop), sock=sock, ssl=context,
                                                        server_hostname=server_hostname if tls else None)
         except TimeoutError:
+            self._dns.pop((host, port), None)
             raise UpstreamTimeout(f"connect to {host}:{port}: no connection in {self.connect_timeout_s:g} s") from None
         except ssl_module.SSLError as exc:
             raise UpstreamConnectionError(f"TLS to {host}:{port}: {exc}") from None
         except OSError as exc:
+            self._dns.pop((host, port), None)  # looked up again on the next try
             raise UpstreamConnectionError(f"connect to {host}:{port}: {exc}") from None
         self._all.add(conn)
         return conn
+
+    async def _addresses(self, host: str, port: int, loop) -> list:
+        """getaddrinfo's answer for host:port, kept `DNS_TTL_S` (an IP address is not looked up)."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        else:
+            family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+            return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+        now = time.monotonic()
+        hit = self._dns.get((host, port))
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if not infos:
+            raise OSError(f"no address for {host}")
+        if len(self._dns) >= _URL_CACHE_MAX:
+            self._dns.clear()
+        self._dns[(host, port)] = (now + DNS_TTL_S, infos)
+        return infos
 
     def _take(self, key: tuple) -> _Conn | None:
         idle = self._idle.get(key)

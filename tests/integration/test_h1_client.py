@@ -104,6 +104,32 @@ async def test_json_answers_reuse_one_connection_and_the_request_is_what_was_ask
 
 
 @run
+async def test_a_host_name_is_looked_up_once_per_ttl_and_again_after_a_failed_connect():
+    loop = asyncio.get_running_loop()
+    lookups, real = [], loop.getaddrinfo
+
+    async def counted(host, *args, **kwargs):
+        lookups.append(host)
+        return await real(host, *args, **kwargs)
+
+    loop.getaddrinfo = counted
+    c = client(keepalive_s=0.0)  # no connection is reused: each request connects
+    async with Server(json_ok) as srv:
+        r = await c.post(srv.url + "/x", b"{}", {})  # an IP address: nothing to look up
+        assert await r.read() == b'{"echo": 2}' and lookups == []
+        url = f"http://localhost:{srv.port}/x"  # ::1 first, where the host has it: refused, then 127.0.0.1
+        for _ in range(3):
+            r = await c.post(url, b"{}", {})
+            assert await r.read() == b'{"echo": 2}'
+        assert srv.connections == 4 and lookups == ["localhost"]
+    for n in (1, 2):  # the engine is gone (a pod that moved): a failed connect forgets the addresses
+        with pytest.raises(h1.UpstreamConnectionError, match="connect to localhost"):
+            await c.post(url, b"{}", {})
+        assert lookups == ["localhost"] * n
+    await c.close()
+
+
+@run
 async def test_a_stream_arrives_as_it_is_sent_and_its_end_releases_the_connection():
     go = asyncio.Event()
 
