@@ -276,15 +276,14 @@ class Config(_Section):
 
     @property
     def advertise_url(self) -> str:
-        host = self.cluster.advertise_host
-        return f"{self.scheme}://[{host}]:{self.server.port}" if ":" in host else \
-            f"{self.scheme}://{host}:{self.server.port}"
+        return self._url(self.cluster.advertise_host)
 
     @property
     def local_url(self) -> str:
         """How this process reaches its own server."""
         host = self.server.host
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
+        return self._url("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
+
+    def _url(self, host: str) -> str:
         return f"{self.scheme}://[{host}]:{self.server.port}" if ":" in host else \
             f"{self.scheme}://{host}:{self.server.port}"

@@ -281,8 +281,6 @@ class Transfer:
         return len(self.socks)
 
     def __iter__(self):
-        import torch
-
         try:
             self._start()
             progress = self._progress
@@ -292,7 +290,7 @@ class Transfer:
                 if i in self.in_place:
                     yield e["name"], self.in_place[i]
                 else:
-                    yield e["name"], self._tensor(i, e, torch)
+                    yield e["name"], self._tensor(i, e)
             if self._next_ready(end=True) is not None:
                 raise NetLoadError(f"seed {self.address}: a stream did not end")  # unreachable by design
             seconds = progress.finish()
@@ -381,17 +379,17 @@ class Transfer:
                 self._dest[i] = memoryview(self._blocks[i].numpy())[:n]
             return self._dest[i]
 
-    def _tensor(self, i: int, e: dict, torch):
+    def _tensor(self, i: int, e: dict):
         """Tensor i, viewing its host buffer; with recycling, the buffer is free again once the last
         reference to it (this tensor, a view of it, a numpy array of it) is gone."""
-        dtype = getattr(torch, TORCH_DTYPES[e["dtype"]])
+        dtype = getattr(self._torch, TORCH_DTYPES[e["dtype"]])
         if not e["nbytes"]:
-            return torch.empty(e["shape"], dtype=dtype)
+            return self._torch.empty(e["shape"], dtype=dtype)
         owner = self._blocks[i].numpy()  # a new array object: the tensor's storage holds it, and only it does
         if self.recycle:
             weakref.finalize(owner, self._let_go, i, self._blocks[i])
         self._blocks[i] = self._dest[i] = None  # the tensor alone holds its buffer now
-        return torch.frombuffer(owner, dtype=dtype).reshape(e["shape"])
+        return self._torch.frombuffer(owner, dtype=dtype).reshape(e["shape"])
 
     def _let_go(self, i: int, block) -> None:
         with self._lock:
