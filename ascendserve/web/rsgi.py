@@ -20,14 +20,21 @@ The app's lifespan runs in web/server (granian's LifespanProtocol), outside this
 
 from __future__ import annotations
 
+import asyncio
+import time
 from urllib.parse import quote
+
+import msgspec
+from granian.rsgi import ProtocolClosed
+
+from ascendserve.web.body_limit import DRAIN_S
 
 _SAFE_PATH = "/:@!$&'()*+,;=-._~"
 _END = {"type": "http.request", "body": b"", "more_body": False}
 _GONE = {"type": "http.disconnect"}
 
 
-def _address(value: str | None) -> tuple[str, int] | None:
+def address(value: str | None) -> tuple[str, int] | None:
     """'host:port' or '[v6]:port' -> (host, port)."""
     if not value:
         return None
@@ -57,8 +64,8 @@ class ASGIOverRSGI:
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": scope.http_version, "method": scope.method, "scheme": scope.scheme,
             "path": path, "raw_path": raw, "query_string": scope.query_string.encode("latin-1"),
-            "root_path": "", "headers": headers, "client": _address(scope.client),
-            "server": _address(scope.server), "state": self.state.copy(),
+            "root_path": "", "headers": headers, "client": address(scope.client),
+            "server": address(scope.server), "state": self.state.copy(),
         }
         length = scope.headers.get("content-length")
         exchange = _Exchange(proto, int(length) if length and length.isdigit() else None)
@@ -91,7 +98,7 @@ class _Exchange:
                 chunk = await self.body.__anext__()
             except StopAsyncIteration:
                 chunk = b""
-            except RuntimeError:  # the client went while sending its body
+            except ProtocolClosed:  # the client went while sending its body
                 self.body = None
                 return _GONE
             if chunk:
@@ -106,7 +113,7 @@ class _Exchange:
         if not self.done:
             try:
                 await self.proto.client_disconnect()
-            except RuntimeError:
+            except ProtocolClosed:
                 pass
         return _GONE
 
@@ -138,3 +145,32 @@ class _Exchange:
             self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", ())]
         else:
             raise RuntimeError(f"unsupported ASGI message {kind!r} (HTTP over RSGI)")
+
+
+def respond_json(proto, status: int, body: dict, close: bool = False, headers: tuple = ()) -> None:
+    """A whole JSON answer; `close`: say `connection: close` (a request body left unread)."""
+    payload = msgspec.json.encode(body)
+    fields = [("content-type", "application/json"), ("content-length", str(len(payload))), *headers]
+    if close:
+        fields.append(("connection", "close"))
+    proto.response_bytes(status, fields, payload)
+
+
+async def drain(proto, limit: int, body=None) -> None:
+    """Read and drop what is left of the request body: up to `limit` bytes, for DRAIN_S at most
+    (web/body_limit.py, why). `body`: proto's iterator when the caller has begun it (granian lets a
+    request's body be iterated once)."""
+    body = proto.__aiter__() if body is None else body
+    deadline = time.monotonic() + DRAIN_S
+    read = 0
+    while read <= limit:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            chunk = await asyncio.wait_for(body.__anext__(), left)
+        except (StopAsyncIteration, asyncio.TimeoutError, ProtocolClosed):
+            return
+        if not chunk:
+            return
+        read += len(chunk)

@@ -61,7 +61,9 @@ async def serve(app, settings: ServerConfig) -> None:
 
 
 async def _serve(app, state: dict, settings: ServerConfig) -> None:
-    server = Server(ASGIOverRSGI(app, state), **granian_options(settings))
+    # an app with RSGI routes of its own (the proxy's hot path) gives its target; any other is adapted
+    target = app.over_rsgi(state) if hasattr(app, "over_rsgi") else ASGIOverRSGI(app, state)
+    server = Server(target, **granian_options(settings))
     hooks = list(getattr(getattr(app, "state", None), "stop_hooks", None) or ())
 
     def stop() -> None:
