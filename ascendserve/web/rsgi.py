@@ -16,6 +16,8 @@ What the app sees is plain ASGI 3 (HTTP only; a websocket is refused with 403, n
   content-length); any other streams. Sending to a client that has gone raises (RSGI's
   ProtocolClosed, a RuntimeError), as writing to a closed ASGI transport does.
 The app's lifespan runs in web/server (granian's LifespanProtocol), outside this adapter.
+granian itself drops a request header whose value is not visible ASCII (its ASGI mode passed the
+bytes); it lets a body be iterated once (`proto.__aiter__()` is the protocol itself).
 """
 
 from __future__ import annotations

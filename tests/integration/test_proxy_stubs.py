@@ -398,7 +398,7 @@ def test_encoder_hop_passes_ec_params_on_and_falls_back_or_fails(tmp_path):
 
 
 def test_the_running_proxy_answers_the_generation_routes_as_its_litestar_app_does(pd_cluster):
-    """A running proxy serves POST /v1/completions and /v1/chat/completions on plain ASGI in front of
+    """A running proxy serves POST /v1/completions and /v1/chat/completions on RSGI in front of
     Litestar (router/hot_path.py): its refusals equal the Litestar app's for the same input, status,
     body and content type; its answers carry the same headers."""
     from litestar.testing import TestClient
