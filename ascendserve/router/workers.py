@@ -440,9 +440,45 @@ def _die_with_parent() -> None:
         pass
 
 
+METRICS_PREFIX = "ascendserve-proxy-metrics-"
+
+
+def sweep_metrics_dirs(parent: str | None = None) -> list[str]:
+    """Remove the metrics directories of supervisors that are gone (SIGKILLed: their `finally` never
+    ran): named `METRICS_PREFIX<pid>-...`, the pid no longer alive. A pid that is alive again (reused)
+    keeps its directory: never a live supervisor's. Returns what was removed."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(METRICS_PREFIX):].split("-", 1)[0] if name.startswith(METRICS_PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.isdir(path) and not os.path.islink(path) and os.stat(path).st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def supervise(count: int, serve: Callable[[Worker], int]) -> int:
     """Fork `count` workers, each running `serve(worker)`; return once they all ended."""
-    metrics_dir = tempfile.mkdtemp(prefix="ascendserve-proxy-metrics-")
+    for path in sweep_metrics_dirs():
+        log.info("removed the metrics directory of a proxy that was killed", path=path)
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     shared = Shared(count)
     address = f"\0ascendserve-proxy-{os.getpid()}-{time.monotonic_ns()}"

@@ -295,3 +295,35 @@ def test_a_restarted_leader_numbering_slots_anew_leaves_no_stale_load():
     assert lead2["decode"].instances["http://d2"].peer_load() == (0, 0, 0)  # not left in d1's old slot
     lease.release()
     assert lead2["decode"].instances["http://d1"].peer_load() == (0, 0, 0)
+
+
+def test_the_metrics_directory_of_a_killed_supervisor_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """A SIGKILLed supervisor never runs its cleanup: its workers' metrics files stay. The next
+    supervisor on the host removes every such directory whose supervisor is gone, never a live one's."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    started = tmp_path / "started"
+
+    def serve(w):
+        started.touch()
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the supervisor's death signal
+        time.sleep(60)
+        return 0
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(workers.supervise(1, serve))
+    deadline = time.monotonic() + 10
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(workers.METRICS_PREFIX)]
+    assert left.name.startswith(f"{workers.METRICS_PREFIX}{pid}-")
+    live = tmp_path / f"{workers.METRICS_PREFIX}{os.getpid()}-abc"  # this process: alive
+    live.mkdir()
+    other = tmp_path / f"{workers.METRICS_PREFIX}notapid"
+    other.mkdir()
+    assert workers.sweep_metrics_dirs() == [str(left)]
+    assert not left.exists() and live.exists() and other.exists()
