@@ -3,7 +3,7 @@ its token ledger, the price of mid-stream migration: --migration-limit 0 turns i
 vllm-ascend's example proxy vs vllm-router; the proxy's CPU per request (all its processes)
 beside each. Give every proxy the same cores: run the whole bench under `taskset -c ...`.
 
-    python -m bench.proxy [--duration 5] [--concurrency 1 16 64 256] [--workers 1 2]
+    python -m bench.proxy [--duration 5] [--rounds 3] [--concurrency 1 16 64 256] [--workers 1 2]
         [--vllm-ascend-proxy FILE | --vllm-ascend-repo GITDIR] [--vllm-router BIN]
 
 Fast stub P and D instances (tests/stub_backend.py, no model) stand behind
@@ -13,6 +13,10 @@ hops itself: the floor. Each request streams 16 tokens from /v1/completions.
 Peers are optional: vllm-ascend's proxy is read from a git checkout of
 vllm-ascend (never copied into this repository); vllm-router is looked up on
 PATH or in --vllm-router.
+Every proxy is started once and stays up; each round measures them all in turn (the order turned
+by one each round), and the table gives each point's median over the rounds, its ratios the median
+of each round's ratio: vllm-router itself moved between 1,300 and 1,700 req/s at c=64 across
+single runs on this 2-core host, so one proxy's minute against another's minutes apart was noise.
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ def tree_cpu(pid: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=3, help="measure every proxy this many times, in turn")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="ascendserve's [proxy] workers to run")
     ap.add_argument("--vllm-ascend-proxy", default="")
@@ -152,49 +157,76 @@ def main() -> None:
                 print(f"{name}: not found, skipped")
             else:
                 candidates[name] = proc
-        results: dict[str, dict[int, dict]] = {"direct (floor)": {}}
-        for c in args.concurrency:
-            results["direct (floor)"][c] = asyncio.run(load(lambda s: one_direct(s, p.url, d.url), c, args.duration))
-        for name, proc in candidates.items():
-            try:
-                start_all(proc)
-                for _ in range(50):
-                    if httpx.get(proc.url + ("/health" if name != "vllm-ascend proxy" else "/healthcheck")).status_code == 200:
-                        break
-                    time.sleep(0.2)
-                results[name] = {}
+        runs: dict[str, dict[int, list[dict]]] = {"direct (floor)": {c: [] for c in args.concurrency}}
+        up: dict[str, Proc] = {}
+        try:
+            for name, proc in candidates.items():
+                try:
+                    start_all(proc)
+                    for _ in range(50):
+                        if httpx.get(proc.url + ("/health" if name != "vllm-ascend proxy" else "/healthcheck")).status_code == 200:
+                            break
+                        time.sleep(0.2)
+                    up[name] = proc
+                    runs[name] = {c: [] for c in args.concurrency}
+                except Exception as exc:
+                    print(f"{name}: failed to start: {exc}")
+                    proc.stop()
+            # every proxy stays up (idle between its turns) and each round measures them all, in an
+            # order that turns by one each round: the host's drift over minutes lands on all alike
+            names = list(up)
+            for rnd in range(args.rounds):
+                order = names[rnd % len(names):] + names[:rnd % len(names)] if names else []
                 for c in args.concurrency:
-                    cpu = tree_cpu(proc.pid)
-                    r = asyncio.run(load(lambda s, u=proc.url: one_via_proxy(s, u), c, args.duration))
-                    # the proxy's CPU per request, every process of it (its warm-up second included in both terms)
-                    r["cpu_ms"] = 1000 * (tree_cpu(proc.pid) - cpu) / max(1, r["calls"])
-                    results[name][c] = r
-            except Exception as exc:
-                print(f"{name}: failed: {exc}")
-            finally:
+                    runs["direct (floor)"][c].append(
+                        asyncio.run(load(lambda s: one_direct(s, p.url, d.url), c, args.duration)))
+                    for name in order:
+                        proc = up[name]
+                        cpu = tree_cpu(proc.pid)
+                        r = asyncio.run(load(lambda s, u=proc.url: one_via_proxy(s, u), c, args.duration))
+                        # the proxy's CPU per request, every process of it (its warm-up second in both terms)
+                        r["cpu_ms"] = 1000 * (tree_cpu(proc.pid) - cpu) / max(1, r["calls"])
+                        runs[name][c].append(r)
+        finally:
+            for proc in up.values():
                 proc.stop()
         protocol_errors = httpx.get(d.url + "/stub/stats").json()["protocol_errors"]
         p.stop(), d.stop()
-    floor = results["direct (floor)"]
-    peer = results.get("vllm-ascend proxy")
-    router = results.get("vllm-router")
-    bare = results.get("ascendserve, no ledger")
+    results = {name: {c: _median(rs) for c, rs in by_c.items() if rs} for name, by_c in runs.items()}
+    floor = runs["direct (floor)"]
     rows = []
     for name, by_c in results.items():
         for c, r in by_c.items():
-            rows.append([name, c, r["rps"], r["p50_ms"], r["p99_ms"], r["p50_ms"] - floor[c]["p50_ms"],
-                         r["p99_ms"] - floor[c]["p99_ms"], r["rps"] / floor[c]["rps"],
-                         (r["rps"] / peer[c]["rps"]) if peer and c in peer else float("nan"),
-                         (r["rps"] / router[c]["rps"]) if router and c in router else float("nan"),
-                         r.get("cpu_ms", float("nan")),
-                         (r["rps"] / bare[c]["rps"]) if bare and c in bare else float("nan"), r["errors"]])
-    table(f"P->D through each proxy, stub backends, 16 streamed tokens, {args.duration:.0f} s per point "
-          f"(decode protocol errors: {protocol_errors})",
+            mine = runs[name][c]
+            rows.append([name, c, r["rps"], r["p50_ms"], r["p99_ms"], r["p50_ms"] - results["direct (floor)"][c]["p50_ms"],
+                         r["p99_ms"] - results["direct (floor)"][c]["p99_ms"], _ratio(mine, floor[c]),
+                         _ratio(mine, runs.get("vllm-ascend proxy", {}).get(c)),
+                         _ratio(mine, runs.get("vllm-router", {}).get(c)), r.get("cpu_ms", float("nan")),
+                         _ratio(mine, runs.get("ascendserve, no ledger", {}).get(c)), r["errors"]])
+    table(f"P->D through each proxy, stub backends, 16 streamed tokens, {args.duration:.0f} s per point, median of "
+          f"{args.rounds} round(s); x columns: the median of each round's ratio (decode protocol errors: "
+          f"{protocol_errors})",
           ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend", "x vllm-router",
            "proxy CPU ms/req", "x no ledger", "errors"],
           rows)
     save("proxy", {"args": vars(args), "results": {k: {str(c): v for c, v in by.items()} for k, by in results.items()},
+                   "rounds": {k: {str(c): v for c, v in by.items()} for k, by in runs.items()},
                    "decode_protocol_errors": protocol_errors})
+
+
+def _median(rs: list[dict]) -> dict:
+    """A point's figures over the rounds: the median of each (errors: the sum)."""
+    out = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "errors" and k in rs[-1]}
+    out["errors"] = sum(r["errors"] for r in rs)
+    return out
+
+
+def _ratio(mine: list[dict], theirs: list[dict] | None) -> float:
+    """req/s over a peer's, the median of the rounds' ratios (each round measured both minutes apart
+    at most), nan without the peer."""
+    if not theirs:
+        return float("nan")
+    return statistics.median(a["rps"] / b["rps"] for a, b in zip(mine, theirs))
 
 
 if __name__ == "__main__":
