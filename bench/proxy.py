@@ -163,8 +163,9 @@ def main() -> None:
             for name, proc in candidates.items():
                 try:
                     start_all(proc)
+                    ready = proc.url + ("/health" if name != "vllm-ascend proxy" else "/healthcheck")
                     for _ in range(50):
-                        if httpx.get(proc.url + ("/health" if name != "vllm-ascend proxy" else "/healthcheck")).status_code == 200:
+                        if httpx.get(ready).status_code == 200:
                             break
                         time.sleep(0.2)
                     up[name] = proc
@@ -193,21 +194,21 @@ def main() -> None:
         protocol_errors = httpx.get(d.url + "/stub/stats").json()["protocol_errors"]
         p.stop(), d.stop()
     results = {name: {c: _median(rs) for c, rs in by_c.items() if rs} for name, by_c in runs.items()}
-    floor = runs["direct (floor)"]
+    floor, base = runs["direct (floor)"], results["direct (floor)"]
     rows = []
     for name, by_c in results.items():
         for c, r in by_c.items():
             mine = runs[name][c]
-            rows.append([name, c, r["rps"], r["p50_ms"], r["p99_ms"], r["p50_ms"] - results["direct (floor)"][c]["p50_ms"],
-                         r["p99_ms"] - results["direct (floor)"][c]["p99_ms"], _ratio(mine, floor[c]),
+            rows.append([name, c, r["rps"], r["p50_ms"], r["p99_ms"], r["p50_ms"] - base[c]["p50_ms"],
+                         r["p99_ms"] - base[c]["p99_ms"], _ratio(mine, floor[c]),
                          _ratio(mine, runs.get("vllm-ascend proxy", {}).get(c)),
                          _ratio(mine, runs.get("vllm-router", {}).get(c)), r.get("cpu_ms", float("nan")),
                          _ratio(mine, runs.get("ascendserve, no ledger", {}).get(c)), r["errors"]])
     table(f"P->D through each proxy, stub backends, 16 streamed tokens, {args.duration:.0f} s per point, median of "
           f"{args.rounds} round(s); x columns: the median of each round's ratio (decode protocol errors: "
           f"{protocol_errors})",
-          ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend", "x vllm-router",
-           "proxy CPU ms/req", "x no ledger", "errors"],
+          ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend",
+           "x vllm-router", "proxy CPU ms/req", "x no ledger", "errors"],
           rows)
     save("proxy", {"args": vars(args), "results": {k: {str(c): v for c, v in by.items()} for k, by in results.items()},
                    "rounds": {k: {str(c): v for c, v in by.items()} for k, by in runs.items()},

@@ -75,15 +75,16 @@ class BodyLimit:
 
         await self.app(scope, counted, closing)
         if not done:
-            await _drain(receive, self.drain_limit)
+            await drain_body(receive, self.drain_limit)
 
 
 DRAIN_FACTOR = 4
 DRAIN_S = 2.0
 
 
-async def _drain(receive, limit: int) -> None:
-    """Read and drop what is left of the request body: up to `limit` bytes, for DRAIN_S at most."""
+async def drain_body(receive, limit: int) -> None:
+    """Read and drop what is left of the request body (ASGI `receive`): up to `limit` bytes, for
+    DRAIN_S at most."""
     deadline = time.monotonic() + DRAIN_S
     read = 0
     while read <= limit:
@@ -113,7 +114,7 @@ async def refused_length(value: bytes | str, max_bytes: int, drain_limit: int, r
         return None
     if size > max_bytes:
         await _refuse(send, 413, "request body too large")
-        await _drain(receive, drain_limit)
+        await drain_body(receive, drain_limit)
         return None
     return size
 

@@ -22,14 +22,12 @@ bytes); it lets a body be iterated once (`proto.__aiter__()` is the protocol its
 
 from __future__ import annotations
 
-import asyncio
-import time
 from urllib.parse import quote
 
 import msgspec
 from granian.rsgi import ProtocolClosed
 
-from ascendserve.web.body_limit import DRAIN_S
+from ascendserve.web.body_limit import drain_body
 
 _SAFE_PATH = "/:@!$&'()*+,;=-._~"
 _END = {"type": "http.request", "body": b"", "more_body": False}
@@ -159,20 +157,15 @@ def respond_json(proto, status: int, body: dict, close: bool = False, headers: t
 
 
 async def drain(proto, limit: int, body=None) -> None:
-    """Read and drop what is left of the request body: up to `limit` bytes, for DRAIN_S at most
-    (web/body_limit.py, why). `body`: proto's iterator when the caller has begun it (granian lets a
-    request's body be iterated once)."""
+    """Read and drop what is left of the request body: body_limit.drain_body's bounds (why: there).
+    `body`: proto's iterator when the caller has begun it (granian lets a body be iterated once)."""
     body = proto.__aiter__() if body is None else body
-    deadline = time.monotonic() + DRAIN_S
-    read = 0
-    while read <= limit:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
+
+    async def receive() -> dict:  # ProtocolClosed, a RuntimeError, ends drain_body too
         try:
-            chunk = await asyncio.wait_for(body.__anext__(), left)
-        except (StopAsyncIteration, asyncio.TimeoutError, ProtocolClosed):
-            return
-        if not chunk:
-            return
-        read += len(chunk)
+            chunk = await body.__anext__()
+        except StopAsyncIteration:
+            chunk = b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunk)}
+
+    await drain_body(receive, limit)
