@@ -30,8 +30,8 @@ from granian.rsgi import ProtocolClosed
 
 from ascendserve.protocol.openai import APIError, error_body, parse
 from ascendserve.web.auth import matches, presented_token, refused
-from ascendserve.web.body_limit import DRAIN_FACTOR
-from ascendserve.web.rsgi import ASGIOverRSGI, address, drain, respond_json
+from ascendserve.web.body_limit import DRAIN_FACTOR, TOO_LARGE, declared_size, length_refusal, refusal_body
+from ascendserve.web.rsgi import ASGIOverRSGI, address, drain, next_chunk, respond_json
 
 log = structlog.get_logger("ascendserve.proxy")
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -97,13 +97,10 @@ class ClientRoutes:
     async def _serve(self, kind: str, scope, proto) -> None:
         headers = scope.headers  # granian's: get() gives the first of repeated fields, as Litestar's does
         length = headers.get("content-length")
-        if length is not None:
-            size = int(length) if length.isdigit() else -1
-            if size < 0:
-                return respond_json(proto, 400, _invalid("invalid Content-Length header", 400), close=True)
-            if size > self.max_bytes:
-                respond_json(proto, 413, _invalid("request body too large", 413), close=True)
-                return await drain(proto, self.drain_limit)
+        refusal = None if length is None else length_refusal(declared_size(length), self.max_bytes)
+        if refusal is not None:
+            respond_json(proto, refusal[0], refusal_body(*refusal), close=True)
+            return await drain(proto, self.drain_limit) if refusal[0] == 413 else None
         presented = presented_token(headers)
         if self.accepted and not matches(presented, self.accepted):
             exc = refused(scope.path, address(scope.client), bool(presented), "API key")
@@ -130,24 +127,17 @@ class ClientRoutes:
         body = proto.__aiter__()  # the protocol itself, which may be iterated once only
         while True:
             try:
-                chunk = await body.__anext__()
-            except StopAsyncIteration:
-                break
+                chunk = await next_chunk(body)
             except ProtocolClosed:  # the client went while sending it
                 return None
             if not chunk:
-                break
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             size += len(chunk)
             if size > self.max_bytes:
-                respond_json(proto, 413, _invalid("request body too large", 413), close=True)
+                respond_json(proto, 413, refusal_body(413, TOO_LARGE), close=True)
                 await drain(proto, self.drain_limit, body)
                 return None
             parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _invalid(message: str, status: int) -> dict:
-    return error_body(message, "invalid_request_error", None, str(status))
 
 
 async def _stream(stream, proto, fields: list) -> None:

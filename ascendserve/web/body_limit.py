@@ -80,6 +80,7 @@ class BodyLimit:
 
 DRAIN_FACTOR = 4
 DRAIN_S = 2.0
+TOO_LARGE = "request body too large"
 
 
 async def drain_body(receive, limit: int) -> None:
@@ -102,31 +103,49 @@ async def drain_body(receive, limit: int) -> None:
             return
 
 
-async def refused_length(value: bytes | str, max_bytes: int, drain_limit: int, receive, send) -> int | None:
-    """A request's Content-Length: its size, or None once a malformed one was answered 400, or one
-    over `max_bytes` 413 (what the client is still sending drained, up to `drain_limit`)."""
+def declared_size(value: bytes | str) -> int:
+    """A Content-Length's size; -1 when malformed."""
     try:
         size = int(value)
     except ValueError:
-        size = -1
+        return -1
+    return size if size >= 0 else -1
+
+
+def length_refusal(size: int, max_bytes: int) -> tuple[int, str] | None:
+    """What a declared size (declared_size) is refused with, if it is: 400 malformed, 413 too large."""
     if size < 0:
-        await _refuse(send, 400, "invalid Content-Length header")
-        return None
+        return 400, "invalid Content-Length header"
     if size > max_bytes:
-        await _refuse(send, 413, "request body too large")
+        return 413, TOO_LARGE
+    return None
+
+
+def refusal_body(status: int, message: str) -> dict:
+    return error_body(message, "invalid_request_error", None, str(status))
+
+
+async def refused_length(value: bytes | str, max_bytes: int, drain_limit: int, receive, send) -> int | None:
+    """A request's Content-Length: its size, or None once a malformed one was answered 400, or one
+    over `max_bytes` 413 (what the client is still sending drained, up to `drain_limit`)."""
+    size = declared_size(value)
+    refusal = length_refusal(size, max_bytes)
+    if refusal is None:
+        return size
+    await _refuse(send, *refusal)
+    if refusal[0] == 413:
         await drain_body(receive, drain_limit)
-        return None
-    return size
+    return None
 
 
 async def _refuse(send, status: int, message: str) -> None:
-    await send_json(send, status, error_body(message, "invalid_request_error", None, str(status)), close=True)
+    await send_json(send, status, refusal_body(status, message), close=True)
 
 
-async def send_json(send, status: int, body: dict, close: bool = False, headers: tuple = ()) -> None:
+async def send_json(send, status: int, body: dict, close: bool = False) -> None:
     """A whole JSON answer on plain ASGI; `close`: say `connection: close` (a body left unread)."""
     payload = msgspec.json.encode(body)
-    fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)), *headers]
+    fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
     if close:
         fields.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": fields})

@@ -95,9 +95,7 @@ class _Exchange:
                 self.body = None
                 return _END
             try:
-                chunk = await self.body.__anext__()
-            except StopAsyncIteration:
-                chunk = b""
+                chunk = await next_chunk(self.body)
             except ProtocolClosed:  # the client went while sending its body
                 self.body = None
                 return _GONE
@@ -147,6 +145,15 @@ class _Exchange:
             raise RuntimeError(f"unsupported ASGI message {kind!r} (HTTP over RSGI)")
 
 
+async def next_chunk(body) -> bytes:
+    """The next chunk of a request body (`proto.__aiter__()`), b"" at its end (granian ends it with an
+    empty chunk, or stops). Raises ProtocolClosed when the client went."""
+    try:
+        return await body.__anext__()
+    except StopAsyncIteration:
+        return b""
+
+
 def respond_json(proto, status: int, body: dict, close: bool = False, headers: tuple = ()) -> None:
     """A whole JSON answer; `close`: say `connection: close` (a request body left unread)."""
     payload = msgspec.json.encode(body)
@@ -162,10 +169,7 @@ async def drain(proto, limit: int, body=None) -> None:
     body = proto.__aiter__() if body is None else body
 
     async def receive() -> dict:  # ProtocolClosed, a RuntimeError, ends drain_body too
-        try:
-            chunk = await body.__anext__()
-        except StopAsyncIteration:
-            chunk = b""
+        chunk = await next_chunk(body)
         return {"type": "http.request", "body": chunk, "more_body": bool(chunk)}
 
     await drain_body(receive, limit)

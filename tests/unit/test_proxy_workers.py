@@ -198,6 +198,17 @@ def test_counters_cross_processes():
     assert inst.peer_load() == (0, 0, 0) and inst.total_served == 1
 
 
+def _supervising(count: int, serve, started) -> int:
+    """supervise(count, serve) in a forked child of the test; its pid once `started()` (10 s at most)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(workers.supervise(count, serve))
+    deadline = time.monotonic() + 10
+    while not started() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pid
+
+
 def test_supervisor_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path):
     """supervise() in a child of the test: worker 1 dies once and is restarted; SIGTERM ends all."""
     marks = tmp_path / "marks"
@@ -211,12 +222,7 @@ def test_supervisor_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path):
         time.sleep(60)
         return 0
 
-    pid = os.fork()
-    if pid == 0:
-        os._exit(workers.supervise(2, serve))
-    deadline = time.monotonic() + 10
-    while len(list(marks.iterdir())) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    pid = _supervising(2, serve, lambda: len(list(marks.iterdir())) >= 3)
     assert sorted(p.name.split("-")[0] for p in marks.iterdir()) == ["0", "1", "1"]
     os.kill(pid, signal.SIGTERM)
     _, status = os.waitpid(pid, 0)
@@ -311,12 +317,7 @@ def test_the_metrics_directory_of_a_killed_supervisor_is_removed_by_the_next_one
         time.sleep(60)
         return 0
 
-    pid = os.fork()
-    if pid == 0:
-        os._exit(workers.supervise(1, serve))
-    deadline = time.monotonic() + 10
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    pid = _supervising(1, serve, started.exists)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(workers.METRICS_PREFIX)]
