@@ -288,8 +288,12 @@ class Stub:
                     await self._pass_gate()
             usage = {"id": f"x-{rid}", "object": obj, "created": created, "model": self.args.model, "choices": [],
                      "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
+            hold = self.args.hold_after_done_ms
             await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(usage) +
-                        b"\n\ndata: [DONE]\n\n", "more_body": False})
+                        b"\n\ndata: [DONE]\n\n", "more_body": bool(hold)})
+            if hold:  # the response's end comes later than its [DONE]
+                await asyncio.sleep(hold / 1000)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.stats["completed"] += 1
         except (asyncio.CancelledError, Exception):
             self.stats["aborted"] += 1
@@ -320,6 +324,7 @@ def main() -> None:
     ap.add_argument("--model", default="stub-model")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
+    ap.add_argument("--hold-after-done-ms", type=float, default=0.0, help="end a stream this long after its [DONE]")
     ap.add_argument("--require-kv", action="store_true", help="decode: refuse requests that skipped P")
     ap.add_argument("--gate-timeout-s", type=float, default=30.0, help="longest wait at the gate (POST /stub/reset)")
     ap.add_argument("--metaserver-url", default="", help="register and heartbeat like an engine role")

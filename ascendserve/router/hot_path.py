@@ -35,6 +35,7 @@ from ascendserve.web.rsgi import ASGIOverRSGI, address, drain, next_chunk, respo
 
 log = structlog.get_logger("ascendserve.proxy")
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_DONE = b"data: [DONE]\n\n"
 _SSE = [("content-type", "text/event-stream; charset=utf-8"), ("cache-control", "no-cache")]
 
 
@@ -157,7 +158,16 @@ async def _stream(stream, proto, fields: list) -> None:
     transport = proto.response_stream(200, fields)
     try:
         async for chunk in stream:
+            if transport is None:
+                log.warning("stream went on after its [DONE]; dropped", bytes=len(chunk))
+                continue
             await transport.send_bytes(chunk)
+            if chunk.endswith(_DONE):
+                # the client's answer is whole: it ends now (the transport released), and the
+                # stream's own bookkeeping after it (the engine's connection back to its pool, the
+                # lease, the metrics, the request's log line) is no longer on the client's wait
+                state["streaming"] = False  # a client leaving now no longer cancels that bookkeeping
+                transport = None
     except asyncio.CancelledError:
         if not state["gone"]:
             raise
@@ -168,7 +178,7 @@ async def _stream(stream, proto, fields: list) -> None:
         state["streaming"] = False
         listener.remove_done_callback(listen)
         listener.cancel()
-        del transport  # what ends the response (web/rsgi.py: a transport still referred to keeps it open)
+        transport = None  # what ends the response (web/rsgi.py: a transport still referred to keeps it open)
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()  # its cleanup, when it had not ended (GeneratorExit: a client disconnect)

@@ -195,6 +195,31 @@ def test_streams_are_timed_per_token(pd_cluster):
     assert 0.004 <= mean <= 0.5, mean  # 5 ms a token; coarse above (a loaded host)
 
 
+def test_the_client_s_stream_ends_at_done_whatever_the_engine_does_after_it(tmp_path):
+    """The client's stream ends with the engine's [DONE]: not when the engine ends its response
+    (here 3 s later), nor after the proxy's own work that follows (the lease, the metrics, the log
+    line), which still happens. Both relays: the ledger's and the plain one (echo cannot migrate)."""
+    procs = one_p_two_d(tmp_path, "", ("--hold-after-done-ms", "3000"))
+    proxy = procs[0]
+    try:
+        base = {"model": "stub-model", "prompt": "done", "max_tokens": 4, "stream": True}
+        with httpx.Client(timeout=30) as client:
+            for body in (base, dict(base, echo=True)):
+                started = time.monotonic()
+                with client.stream("POST", proxy.url + "/v1/completions", json=body, headers=AUTH) as r:
+                    assert r.status_code == 200
+                    text = r.read().decode()
+                took = time.monotonic() - started
+                events = sse_events(text)
+                assert events[-1] == "[DONE]" and sum(1 for e in events[:-1] if e["choices"]) == 4, text
+                assert took < 2.0, f"the stream ended {took:.2f} s after it began: with the engine's response"
+        wait_for(lambda: in_flight(proxy) == 0)  # the proxy's work after [DONE] happened
+        assert all(stats(d)["active"] == 0 for d in procs[2:])
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 @pytest.mark.parametrize("migration_limit", [3, 0])
 def test_sigkill_decode_mid_stream(tmp_path, migration_limit):
     """Streams on the killed instance continue on the survivor (one answer of all 200 tokens,
