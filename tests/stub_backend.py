@@ -39,12 +39,14 @@ import msgspec
 from tests import kv_wire
 
 STATS_KEYS = ("requests", "completed", "aborted", "protocol_errors", "prefills", "decodes", "encodes",
-              "push_callbacks", "active", "peak_active", "gate_timeouts", "side_channel_connections")
+              "push_callbacks", "active", "peak_active", "gate_timeouts", "side_channel_connections",
+              "generation_connections")
 
 class Stub:
     def __init__(self, args):
         self.args = args
         self.stats = dict.fromkeys(STATS_KEYS, 0)
+        self.peers: set = set()  # the connections generation requests came on (client address and port)
         self.ids = itertools.count()
         self.session: aiohttp.ClientSession | None = None
         self.gate = 0
@@ -98,6 +100,7 @@ class Stub:
         if path == "/stub/reset":
             body = await self._body(receive)
             self.stats = dict.fromkeys(STATS_KEYS, 0)
+            self.peers.clear()
             self.gate = int(msgspec.json.decode(body).get("gate", 0)) if body else 0
             self.gate_open.clear()
             return await self._json(send, self.stats)
@@ -105,6 +108,8 @@ class Stub:
             return await self._reply(send, 200, b"")
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             raw = await self._body(receive)
+            self.peers.add(tuple(scope.get("client") or ()))
+            self.stats["generation_connections"] = len(self.peers)
             headers = dict(scope["headers"])
             return await self._generate(path, msgspec.json.decode(raw), headers, receive, send)
         return await self._json(send, {"error": {"message": "not found"}}, 404)

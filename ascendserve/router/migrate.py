@@ -26,6 +26,7 @@ from ascendserve.router.pools import EJECTED, Instance, Lease
 
 log = structlog.get_logger("ascendserve.router")
 EJECTION_CHECK_S = 1.0  # how often a silent stream looks whether its instance was ejected
+END_WAIT_S = 1.0  # the longest wait after [DONE] for the engine's end of response (Leg.end)
 
 
 class Leg:
@@ -68,6 +69,16 @@ class Leg:
                 evs, done = payloads(whole)
                 return evs, done, False
 
+    async def end(self) -> None:
+        """After [DONE]: the rest of the engine's response read and dropped (most often its end of
+        body, in flight), so that its connection goes back to the pool instead of being closed. At
+        most END_WAIT_S; the client's stream has ended already (router/hot_path.py)."""
+        try:
+            while await self.response.readany(END_WAIT_S):
+                pass
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, OSError):
+            pass  # closed by close(): the engine is not told anything it needs
+
     def close(self, ok: bool) -> None:
         self.response.close()  # on a live instance this aborts the request there
         self.lease.release(ok=ok)
@@ -103,6 +114,8 @@ class Generation:
                     async with contextlib.aclosing(self._leg()) as leg_events:
                         async for out in leg_events:
                             yield out
+                    if led.stream:  # (a whole answer is not held back for it)
+                        await self.leg.end()
                     ok = True
                     if led.fingerprint is not None:  # for a later answer whose usage event never comes
                         self.leg.instance.remember_fingerprint(led.fingerprint)

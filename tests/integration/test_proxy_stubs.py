@@ -195,16 +195,17 @@ def test_streams_are_timed_per_token(pd_cluster):
     assert 0.004 <= mean <= 0.5, mean  # 5 ms a token; coarse above (a loaded host)
 
 
-def test_the_client_s_stream_ends_at_done_whatever_the_engine_does_after_it(tmp_path):
+def test_the_client_s_stream_ends_at_done_and_the_engine_s_connection_is_kept(tmp_path):
     """The client's stream ends with the engine's [DONE]: not when the engine ends its response
-    (here 3 s later), nor after the proxy's own work that follows (the lease, the metrics, the log
-    line), which still happens. Both relays: the ledger's and the plain one (echo cannot migrate)."""
-    procs = one_p_two_d(tmp_path, "", ("--hold-after-done-ms", "3000"))
-    proxy = procs[0]
+    (here 0.6 s later), nor after the proxy's own work that follows (the lease, the metrics, the log
+    line), which still happens. Both relays: the ledger's and the plain one (echo cannot migrate).
+    The proxy then waits for the engine's end of response, so the connection is used again."""
+    procs = one_p_two_d(tmp_path, "workers = 1\n", ("--hold-after-done-ms", "600"))
+    proxy, decodes = procs[0], procs[2:]
     try:
         base = {"model": "stub-model", "prompt": "done", "max_tokens": 4, "stream": True}
         with httpx.Client(timeout=30) as client:
-            for body in (base, dict(base, echo=True)):
+            for body in [dict(base, echo=True)] + [base] * 6:
                 started = time.monotonic()
                 with client.stream("POST", proxy.url + "/v1/completions", json=body, headers=AUTH) as r:
                     assert r.status_code == 200
@@ -212,9 +213,11 @@ def test_the_client_s_stream_ends_at_done_whatever_the_engine_does_after_it(tmp_
                 took = time.monotonic() - started
                 events = sse_events(text)
                 assert events[-1] == "[DONE]" and sum(1 for e in events[:-1] if e["choices"]) == 4, text
-                assert took < 2.0, f"the stream ended {took:.2f} s after it began: with the engine's response"
-        wait_for(lambda: in_flight(proxy) == 0)  # the proxy's work after [DONE] happened
-        assert all(stats(d)["active"] == 0 for d in procs[2:])
+                assert took < 0.5, f"the stream ended {took:.2f} s after it began: with the engine's response"
+                wait_for(lambda: in_flight(proxy) == 0)  # the proxy's work after [DONE] happened
+        wait_for(lambda: all(stats(d)["active"] == 0 for d in decodes))
+        # one worker, two decode instances: a connection to each, kept
+        assert sum(stats(d)["generation_connections"] for d in decodes) <= 2, [stats(d) for d in decodes]
     finally:
         for proc in procs:
             proc.stop()

@@ -95,6 +95,9 @@ class EngineLeg:
             raise BackendFailed("error_event", "injected")
         return [], True, False
 
+    async def end(self) -> None:  # nothing follows its [DONE]
+        pass
+
     def close(self, ok: bool) -> None:
         pass
 
