@@ -5,6 +5,7 @@ beside each. Give every proxy the same cores: run the whole bench under `taskset
 
     python -m bench.proxy [--duration 5] [--rounds 3] [--concurrency 1 16 64 256] [--workers 1 2]
         [--vllm-ascend-proxy FILE | --vllm-ascend-repo GITDIR] [--vllm-router BIN]
+        [--latency-cycles 2000] [--also NAME=SOURCE_TREE ...]
 
 Fast stub P and D instances (tests/stub_backend.py, no model) stand behind
 each proxy; the decode stub refuses requests that skipped the prefill hop,
@@ -17,6 +18,12 @@ Every proxy is started once and stays up; each round measures them all in turn (
 by one each round), and the table gives each point's median over the rounds, its ratios the median
 of each round's ratio: vllm-router itself moved between 1,300 and 1,700 req/s at c=64 across
 single runs on this 2-core host, so one proxy's minute against another's minutes apart was noise.
+The added latency of one request alone is measured apart from the rounds, interleaved: one request
+at a time, direct then through each proxy in turn (the order turned each cycle), so each proxy's
+p50 and the floor's come from the same seconds (the floor's own p50 moved by 0.3 ms between 5 s
+windows, as much as the figure itself). `--also NAME=DIR` adds ascendserve run from another source
+tree (a git worktree of an earlier commit, say) beside this one's: a change against its parent in
+one run.
 """
 
 from __future__ import annotations
@@ -90,6 +97,29 @@ async def load(send, concurrency: int, duration: float, warmup: float = 1.0) -> 
             "n": len(latencies), "errors": errors, "calls": calls}
 
 
+async def interleaved(sends: dict, cycles: int, warmup: int = 50) -> dict:
+    """One request at a time, a cycle of one through each of `sends` (name -> send), the order
+    turned by one each cycle: every name's latencies (ms) from the same stretch of time."""
+    names = list(sends)
+    latencies: dict[str, list[float]] = {name: [] for name in names}
+    errors = dict.fromkeys(names, 0)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for cycle in range(warmup + cycles):
+            turn = cycle % len(names)
+            for name in names[turn:] + names[:turn]:
+                started = time.monotonic()
+                try:
+                    await sends[name](session)
+                except Exception:
+                    errors[name] += 1
+                    continue
+                if cycle >= warmup:
+                    latencies[name].append((time.monotonic() - started) * 1000)
+    return {name: {"p50_ms": statistics.median(ms) if ms else float("nan"), "n": len(ms), "errors": errors[name]}
+            for name, ms in latencies.items()}
+
+
 def vllm_ascend_proxy(args, tmp: Path, p: Proc, d: Proc) -> Proc | None:
     source = Path(args.vllm_ascend_proxy) if args.vllm_ascend_proxy else None
     if source is None and args.vllm_ascend_repo and Path(args.vllm_ascend_repo).exists():
@@ -140,6 +170,10 @@ def main() -> None:
     ap.add_argument("--vllm-ascend-proxy", default="")
     ap.add_argument("--vllm-ascend-repo", default="/work/.mirror/vllm-project+vllm-ascend/repo")
     ap.add_argument("--vllm-router", default="/root/.venvs/vllm-router/bin/vllm-router")
+    ap.add_argument("--latency-cycles", type=int, default=2000,
+                    help="c=1 added latency, interleaved: this many requests through each (0: skip)")
+    ap.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR",
+                    help="ascendserve (1 worker) from another source tree too, beside this one")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as t:
@@ -151,6 +185,13 @@ def main() -> None:
         candidates = {name: control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}", "--decode",
                                     f"127.0.0.1:{d.port}", "--log-level", "warning", *extra)
                       for name, extra in ours}
+        for spec in args.also:
+            name, _, tree = spec.partition("=")
+            proc = control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}", "--decode", f"127.0.0.1:{d.port}",
+                           "--log-level", "warning", "--workers", "1", name=f"also-{len(candidates)}")
+            proc.argv.insert(1, "-P")  # not the working directory's ascendserve: the tree's, on PYTHONPATH
+            proc.env["PYTHONPATH"] = str(Path(tree).resolve())
+            candidates[name] = proc
         for name, make in (("vllm-ascend proxy", vllm_ascend_proxy), ("vllm-router", vllm_router)):
             proc = make(args, tmp, p, d)
             if proc is None:
@@ -159,6 +200,7 @@ def main() -> None:
                 candidates[name] = proc
         runs: dict[str, dict[int, list[dict]]] = {"direct (floor)": {c: [] for c in args.concurrency}}
         up: dict[str, Proc] = {}
+        alone: dict = {}
         try:
             for name, proc in candidates.items():
                 try:
@@ -188,6 +230,9 @@ def main() -> None:
                         # the proxy's CPU per request, every process of it (its warm-up second in both terms)
                         r["cpu_ms"] = 1000 * (tree_cpu(proc.pid) - cpu) / max(1, r["calls"])
                         runs[name][c].append(r)
+            sends = {"direct (floor)": lambda s: one_direct(s, p.url, d.url)}
+            sends.update({name: (lambda s, u=proc.url: one_via_proxy(s, u)) for name, proc in up.items()})
+            alone = asyncio.run(interleaved(sends, args.latency_cycles)) if args.latency_cycles else {}
         finally:
             for proc in up.values():
                 proc.stop()
@@ -210,7 +255,13 @@ def main() -> None:
           ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend",
            "x vllm-router", "proxy CPU ms/req", "x no ledger", "errors"],
           rows)
-    save("proxy", {"args": vars(args), "results": {k: {str(c): v for c, v in by.items()} for k, by in results.items()},
+    if alone:
+        floor_ms = alone["direct (floor)"]["p50_ms"]
+        table(f"One request at a time, interleaved: {args.latency_cycles} through each, in turn",
+              ["proxy", "p50 ms", "added p50 ms", "errors"],
+              [[name, r["p50_ms"], r["p50_ms"] - floor_ms, r["errors"]] for name, r in alone.items()])
+    save("proxy", {"args": vars(args), "alone": alone,
+                   "results": {k: {str(c): v for c, v in by.items()} for k, by in results.items()},
                    "rounds": {k: {str(c): v for c, v in by.items()} for k, by in runs.items()},
                    "decode_protocol_errors": protocol_errors})
 
