@@ -132,14 +132,15 @@ class ProxyMetrics:
             self.prefix_cached.labels(role).inc(details["cached_tokens"])
             self.prefix_prompt.labels(role).inc(int(usage.get("prompt_tokens") or 0))
 
-    def observe_done(self, started: float) -> None:
-        self.e2e.observe(time.monotonic() - started)
+    def observe_done(self, started: float, ended: float | None = None) -> None:
+        """A request's answer was whole at `ended` (monotonic; now when None)."""
+        self.e2e.observe((ended or time.monotonic()) - started)
 
-    def observe_itl(self, first: float | None, tokens: int) -> None:
-        """A streamed request ended: its first token came at `first` (monotonic) and it streamed
-        `tokens` tokens (one gap fewer)."""
+    def observe_itl(self, first: float | None, tokens: int, ended: float | None = None) -> None:
+        """A streamed request ended (at `ended`, or now): its first token came at `first`
+        (monotonic) and it streamed `tokens` tokens (one gap fewer)."""
         if first is not None and tokens >= 2:
-            self.itl.observe((time.monotonic() - first) / (tokens - 1))
+            self.itl.observe(((ended or time.monotonic()) - first) / (tokens - 1))
 
     def summed(self):
         """These metrics with every worker's counts (the dashboard's figures): self with one worker."""

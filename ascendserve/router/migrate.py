@@ -104,6 +104,7 @@ class Generation:
         self.fixing = False  # the cut fell inside a character: the next text comes from /detokenize
         self.cut_text = ""  # the generated tokens' text at the cut, up to its last whole character
         self.error = ""  # why the generation could not be completed ("" when it was)
+        self.answered_at: float | None = None  # when the client's stream was whole (its [DONE] sent)
 
     async def run(self) -> AsyncIterator[bytes]:
         led = self.ledger
@@ -114,6 +115,7 @@ class Generation:
                     async with contextlib.aclosing(self._leg()) as leg_events:
                         async for out in leg_events:
                             yield out
+                    self.answered_at = time.monotonic()
                     if led.stream:  # (a whole answer is not held back for it)
                         await self.leg.end()
                     ok = True

@@ -502,8 +502,8 @@ class Pipeline:
                 yield out
             if not gen.error:
                 outcome = "ok"
-                self.metrics.observe_done(started)
-                self.metrics.observe_itl(first, len(gen.ledger.generated))
+                self.metrics.observe_done(started, gen.answered_at)
+                self.metrics.observe_itl(first, len(gen.ledger.generated), gen.answered_at)
                 self._answered(gen.role, plan, gen.ledger.engine_usage, gen.ledger.prompt_ids)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
@@ -512,7 +512,7 @@ class Pipeline:
         finally:
             log.info("request", request_id=request_id, route=kind, status=200, stream=True,
                      backend=gen.leg.instance.url, outcome=outcome, migrations=gen.ledger.migrations,
-                     duration_ms=round((time.monotonic() - started) * 1000, 2))
+                     duration_ms=round(((gen.answered_at or time.monotonic()) - started) * 1000, 2))
 
 
 def _client_message(exc: UpstreamError) -> str:

@@ -19,6 +19,7 @@ from ascendserve.web.upstream import UpstreamError
 
 log = structlog.get_logger("ascendserve.router")
 CHOICE = b'"choices":[{'  # in a streamed chunk as vLLM writes it (compact JSON)
+DONE = b"data: [DONE]\n\n"
 
 
 class SSEFramer:
@@ -70,19 +71,23 @@ async def relay(metrics: ProxyMetrics, lease: Lease, response, first: bytes, sta
     framer = SSEFramer()
     # vLLM streams a token per chunk: chunks with a choice (not the usage chunk, not [DONE]) stand for tokens
     first_at, chunks = time.monotonic(), 0
+    answered = None  # when the client's answer was whole: its [DONE] sent (the engine may end later)
     try:
         if whole := framer.feed(first):
             chunks += whole.count(CHOICE)
             yield whole
+            answered = time.monotonic() if whole.endswith(DONE) else None
         async for chunk in response.content.iter_any():
             if whole := framer.feed(chunk):
                 chunks += whole.count(CHOICE)
                 yield whole
+                answered = time.monotonic() if whole.endswith(DONE) else None
         if rest := framer.flush():
             chunks += rest.count(CHOICE)
             yield rest
+            answered = None
         ok, outcome = True, "ok"
-        metrics.observe_itl(first_at, chunks)
+        metrics.observe_itl(first_at, chunks, answered)
     except (asyncio.CancelledError, GeneratorExit):
         outcome = "client_disconnected"
         metrics.cancelled.inc()
@@ -97,7 +102,7 @@ async def relay(metrics: ProxyMetrics, lease: Lease, response, first: bytes, sta
         response.close()  # on cancellation this aborts the request on the backend
         lease.release(ok=ok)
         if ok:
-            metrics.observe_done(started)
+            metrics.observe_done(started, answered)
         log.info("request", request_id=request_id, route=kind, status=200, stream=True,
                  backend=lease.instance.url, outcome=outcome,
-                 duration_ms=round((time.monotonic() - started) * 1000, 2))
+                 duration_ms=round(((answered if ok and answered else time.monotonic()) - started) * 1000, 2))

@@ -171,13 +171,18 @@ def test_metrics_and_health(pd_cluster):
     assert health["status"] == "ok" and health["roles"]["decode"]["healthy"] == 2
 
 
-def _itl(proxy) -> tuple[float, float]:
+def _histogram(proxy, name: str) -> tuple[float, float]:
+    """A histogram's count and sum on the proxy's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     family = next(f for f in text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
-                  if f.name == "ascendserve_proxy_itl_seconds")
+                  if f.name == name)
     values = {s.name: s.value for s in family.samples}
-    return values["ascendserve_proxy_itl_seconds_count"], values["ascendserve_proxy_itl_seconds_sum"]
+    return values[name + "_count"], values[name + "_sum"]
+
+
+def _itl(proxy) -> tuple[float, float]:
+    return _histogram(proxy, "ascendserve_proxy_itl_seconds")
 
 
 def test_streams_are_timed_per_token(pd_cluster):
@@ -203,6 +208,7 @@ def test_the_client_s_stream_ends_at_done_and_the_engine_s_connection_is_kept(tm
     procs = one_p_two_d(tmp_path, "workers = 1\n", ("--hold-after-done-ms", "600"))
     proxy, decodes = procs[0], procs[2:]
     try:
+        e2e_before = _histogram(proxy, "ascendserve_proxy_e2e_seconds")
         base = {"model": "stub-model", "prompt": "done", "max_tokens": 4, "stream": True}
         with httpx.Client(timeout=30) as client:
             for body in [dict(base, echo=True)] + [base] * 6:
@@ -218,6 +224,9 @@ def test_the_client_s_stream_ends_at_done_and_the_engine_s_connection_is_kept(tm
         wait_for(lambda: all(stats(d)["active"] == 0 for d in decodes))
         # one worker, two decode instances: a connection to each, kept
         assert sum(stats(d)["generation_connections"] for d in decodes) <= 2, [stats(d) for d in decodes]
+        # a request's time is the client's: until its [DONE], not the engine's end of response
+        count, total = (a - b for a, b in zip(_histogram(proxy, "ascendserve_proxy_e2e_seconds"), e2e_before))
+        assert count == 7 and total / count < 0.5, (count, total)
     finally:
         for proc in procs:
             proc.stop()
