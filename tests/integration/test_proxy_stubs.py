@@ -194,7 +194,8 @@ def test_streams_are_timed_per_token(pd_cluster):
     for body in (dict(base, stream=True), dict(base, stream=True, echo=True), dict(base)):
         r = httpx.post(proxy.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
         assert r.status_code == 200, r.text
-    after, after_total = _itl(proxy)
+    # counted just after each stream's [DONE] reached the client (router/hot_path.py): waited for
+    after, after_total = wait_for(lambda: (now := _itl(proxy))[0] >= count + 2 and now)
     assert after == count + 2  # the two streams, not the plain request
     mean = (after_total - total) / 2
     assert 0.004 <= mean <= 0.5, mean  # 5 ms a token; coarse above (a loaded host)
