@@ -29,13 +29,13 @@ import structlog
 from granian.rsgi import ProtocolClosed
 
 from ascendserve.protocol.openai import APIError, error_body, parse
+from ascendserve.router.sse import DONE
 from ascendserve.web.auth import matches, presented_token, refused
 from ascendserve.web.body_limit import DRAIN_FACTOR, TOO_LARGE, declared_size, length_refusal, refusal_body
 from ascendserve.web.rsgi import ASGIOverRSGI, address, drain, next_chunk, respond_json
 
 log = structlog.get_logger("ascendserve.proxy")
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-_DONE = b"data: [DONE]\n\n"
 _SSE = [("content-type", "text/event-stream; charset=utf-8"), ("cache-control", "no-cache")]
 
 
@@ -156,13 +156,16 @@ async def _stream(stream, proto, fields: list) -> None:
     listener = asyncio.ensure_future(proto.client_disconnect())
     listener.add_done_callback(listen)
     transport = proto.response_stream(200, fields)
+    warned = False  # of what a stream sent after its [DONE]
     try:
         async for chunk in stream:
             if transport is None:
-                log.warning("stream went on after its [DONE]; dropped", bytes=len(chunk))
+                if not warned:  # once a stream
+                    log.warning("stream went on after its [DONE]; dropped", bytes=len(chunk))
+                    warned = True
                 continue
             await transport.send_bytes(chunk)
-            if chunk.endswith(_DONE):
+            if chunk.endswith(DONE):
                 # the client's answer is whole: it ends now (the transport released), and the
                 # stream's own bookkeeping after it (the engine's connection back to its pool, the
                 # lease, the metrics, the request's log line) is no longer on the client's wait

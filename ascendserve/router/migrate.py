@@ -23,6 +23,7 @@ from ascendserve.protocol.openai import APIError
 from ascendserve.router import tracing
 from ascendserve.router.ledger import BackendFailed, Ledger, encode, payloads
 from ascendserve.router.pools import EJECTED, Instance, Lease
+from ascendserve.router.sse import DONE
 
 log = structlog.get_logger("ascendserve.router")
 EJECTION_CHECK_S = 1.0  # how often a silent stream looks whether its instance was ejected
@@ -191,7 +192,7 @@ class Generation:
                         raise BackendFailed("ended", "[DONE] before a finish_reason")
                     if led.stream:
                         out += [encode(e) for e in led.flush_final()]
-                        out.append(b"data: [DONE]\n\n")
+                        out.append(DONE)
                     return
                 if ended:
                     if not led.finished:
@@ -238,7 +239,7 @@ class Generation:
             if led.want_usage:
                 fingerprint = {"system_fingerprint": led.fingerprint} if led.fingerprint is not None else {}
                 out.append(encode({**led.head, "choices": [], **fingerprint, "usage": led.usage}))
-        return out + [b"data: [DONE]\n\n"] if led.stream else []
+        return out + [DONE] if led.stream else []
 
     async def _migrate(self, failed: Instance, reason: str) -> None:
         led = self.ledger

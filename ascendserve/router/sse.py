@@ -49,7 +49,7 @@ class SSEFramer:
 
 def sse_error(message: str, code: int = 502) -> bytes:
     event = msgspec.json.encode(error_body(message, "server_error", None, str(code)))
-    return b"data: " + event + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + event + b"\n\n" + DONE
 
 
 async def first_chunk(response, url: str) -> bytes:

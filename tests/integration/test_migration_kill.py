@@ -111,8 +111,8 @@ async def _one(client, url: str, path: str, body: dict, progress: list, idx: int
 
 
 def wave(proxy_url: str, reqs, victims: dict, how, token: str = "") -> tuple[list[dict], float]:
-    """Send every request at once; once streams are well under way on both instances of the
-    role, `how` the busiest one; the answers, and when it was hit."""
+    """Send every request at once; once every stream is well under way, `how` the busiest
+    instance of the role; the answers, and when it was hit."""
     progress = [0] * len(reqs)
     if how is crash:  # its slow part (the segments to check) before the clock starts
         mapped = {url: proc.shared_memory() for url, proc in victims.items()}
@@ -131,8 +131,10 @@ def wave(proxy_url: str, reqs, victims: dict, how, token: str = "") -> tuple[lis
                         (await client.get(proxy_url + "/instances", headers=_admin(token))).json()["instances"]
                         if i["url"] in victims}
                 streaming = [progress[i] for i, (_, b) in enumerate(reqs) if b["stream"]]
-                # every stream well under way (so both instances are generating, not prefilling)
-                if min(streaming) >= 8 and all(busy.values()):
+                # every stream well under way (generating, not prefilling) and the victim still busy;
+                # not both instances busy at one poll: on a loaded host one instance's streams may
+                # start seconds after the other's, which has finished all of its own by then
+                if min(streaming) >= 8 and any(busy.values()):
                     victim = victims[max(busy, key=busy.get)]
                     hit_at = time.monotonic()
                     killer = asyncio.ensure_future(asyncio.to_thread(how, victim))  # crash() waits for its end
