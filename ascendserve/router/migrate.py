@@ -11,6 +11,7 @@ role: the ledger's token-id continuation, spliced onto what the client already h
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,37 +31,43 @@ EJECTION_CHECK_S = 1.0  # how often a silent stream looks whether its instance w
 END_WAIT_S = 1.0  # the longest wait after [DONE] for the engine's end of response (Leg.end)
 
 
+def _anywhere() -> bool:
+    return True
+
+
 class Leg:
-    """One engine stream of a generation: its lease, response and whole-event framing."""
+    """One engine stream of a generation: its lease, response and whole-event framing, and the
+    watchdog that gives it up when the engine goes silent (`next_events`)."""
 
     def __init__(self, lease: Lease, response, framer):
         self.lease, self.response, self.framer = lease, response, framer
+        self.stall_s, self.elsewhere = 0.0, _anywhere  # the current wait's deadline and its question
+        self.since = 0.0  # when the engine last said something, or the current wait began
+        self._watch: asyncio.TimerHandle | None = None
 
     @property
     def instance(self) -> Instance:
         return self.lease.instance
 
-    async def next_events(self, stall_s: float, elsewhere: Callable[[], bool] = lambda: True
+    async def next_events(self, stall_s: float, elsewhere: Callable[[], bool] = _anywhere
                           ) -> tuple[list[bytes], bool, bool]:
         """The next whole events' payloads (parse() decodes one), whether [DONE] came, whether the
         stream ended. Raises BackendFailed on a stall (no byte for `stall_s`), on the instance's
         ejection by its health checks while it says nothing (a frozen instance may hold a request
-        before its first token longer than any stall deadline) or a broken connection."""
-        deadline = time.monotonic() + stall_s
+        before its first token longer than any stall deadline) or a broken connection.
+
+        The reads are not timed one by one (a timer each was a tenth of a streamed token's cost):
+        one watchdog a leg (`_check`) looks in at most every EJECTION_CHECK_S and interrupts the
+        read it finds waiting past either deadline."""
+        self.stall_s, self.elsewhere = stall_s, elsewhere
+        self.since = time.monotonic()
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().call_later(min(EJECTION_CHECK_S, stall_s), self._check)
         while True:
-            try:  # web/h1's timed read: a timer handle (asyncio.timeout was a third of the ledger's cost)
-                chunk = await self.response.readany(max(0.0, min(EJECTION_CHECK_S, deadline - time.monotonic())))
-            except TimeoutError:
-                if self.instance.state == EJECTED:
-                    raise BackendFailed("ejected", "its health checks failed while it was silent") from None
-                if time.monotonic() >= deadline:
-                    if elsewhere():
-                        raise BackendFailed("stall", f"no event for {stall_s:g} s") from None
-                    deadline = time.monotonic() + stall_s  # a slow instance, and no other: keep waiting
-                continue
+            try:
+                chunk = await self.response.readany()
             except (aiohttp.ClientError, ConnectionError, OSError) as exc:
                 raise BackendFailed("connection", repr(exc)) from None
-            deadline = time.monotonic() + stall_s
             if not chunk:
                 rest = self.framer.flush()
                 evs, done = payloads(rest) if rest else ([], False)
@@ -69,11 +76,41 @@ class Leg:
             if whole:
                 evs, done = payloads(whole)
                 return evs, done, False
+            self.since = time.monotonic()  # part of an event: the engine is not silent
+
+    def _check(self) -> None:
+        """The watchdog: a read waiting past the stall deadline (with another instance to go to), or
+        for EJECTION_CHECK_S on an instance its health checks ejected, is interrupted
+        (BackendFailed); otherwise it looks again at the next deadline, or in EJECTION_CHECK_S."""
+        self._watch = None
+        response = self.response
+        if response.ended:  # read to its end, failed or closed: nothing to watch
+            return
+        now = time.monotonic()
+        if response.waiting:
+            silent = now - self.since
+            if silent >= EJECTION_CHECK_S and self.instance.state == EJECTED:
+                return response.interrupt(BackendFailed("ejected", "its health checks failed while it was silent"))
+            if silent >= self.stall_s:
+                if self.elsewhere():
+                    return response.interrupt(BackendFailed("stall", f"no event for {self.stall_s:g} s"))
+                self.since, silent = now, 0.0  # a slow instance, and no other: keep waiting
+            # the next look: at the stall deadline, or when it has been silent EJECTION_CHECK_S (again)
+            wait = min(self.stall_s, EJECTION_CHECK_S * (1 + int(silent / EJECTION_CHECK_S))) - silent
+        else:  # the client is being written to: not the engine's silence
+            wait = min(self.stall_s, EJECTION_CHECK_S)
+        self._watch = asyncio.get_running_loop().call_later(max(wait, 0.001), self._check)
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     async def end(self) -> None:
         """After [DONE]: the rest of the engine's response read and dropped (most often its end of
         body, in flight), so that its connection goes back to the pool instead of being closed. At
         most END_WAIT_S; the client's stream has ended already (router/hot_path.py)."""
+        self._unwatch()
         try:
             while await self.response.readany(END_WAIT_S):
                 pass
@@ -81,6 +118,7 @@ class Leg:
             pass  # closed by close(): the engine is not told anything it needs
 
     def close(self, ok: bool) -> None:
+        self._unwatch()
         self.response.close()  # on a live instance this aborts the request there
         self.lease.release(ok=ok)
 
@@ -106,15 +144,22 @@ class Generation:
         self.cut_text = ""  # the generated tokens' text at the cut, up to its last whole character
         self.error = ""  # why the generation could not be completed ("" when it was)
         self.answered_at: float | None = None  # when the client's stream was whole (its [DONE] sent)
+        self.first_at: float | None = None  # when its first bytes went to the client
 
-    async def run(self) -> AsyncIterator[bytes]:
+    async def run(self, report: Callable[[BaseException | None], None] | None = None) -> AsyncIterator[bytes]:
+        """The client's bytes, leg after leg; `report(failure)` once it is over (None: it ran to its
+        end; else the exception that ended it, a client's disconnect included), in this generator
+        itself: a wrapping one would cost every chunk another step."""
         led = self.ledger
         ok = False
+        failure: BaseException | None = None
         try:
             while True:
                 try:
                     async with contextlib.aclosing(self._leg()) as leg_events:
                         async for out in leg_events:
+                            if self.first_at is None:
+                                self.first_at = time.monotonic()
                             yield out
                     self.answered_at = time.monotonic()
                     if led.stream:  # (a whole answer is not held back for it)
@@ -154,9 +199,14 @@ class Generation:
                         if led.stream:
                             yield _error_event(self.error)
                         return
+        except BaseException as exc:  # GeneratorExit and CancelledError: the client went
+            failure = exc
+            raise
         finally:
             if self.leg is not None:
                 self.leg.close(ok=ok)
+            if report is not None:
+                report(failure)
 
     def _elsewhere(self) -> bool:
         """Is there another live instance to continue on, should this one go silent?"""

@@ -25,6 +25,7 @@ on): a span per attempt at a hop (`_hop`), its traceparent on the engine's reque
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -405,7 +406,8 @@ class Pipeline:
         gen = Generation(led, role, leg, evs, done, open_leg, self._pick, self._detokenize, self.settings,
                          self.metrics, self._stalled, lambda inst: self.check_now(), request_id)
         if led.stream:
-            return Reply(stream=self._relay_generation(gen, started, kind, request_id, plan), backend=leg.instance.url)
+            report = functools.partial(self._reported, gen, started, kind, request_id, plan)
+            return Reply(stream=gen.run(report), backend=leg.instance.url)
         async for _ in gen.run():
             pass
         self._answered(role, plan, led.engine_usage, led.prompt_ids)
@@ -491,28 +493,22 @@ class Pipeline:
         log.warning("instance stalled; checking its health now", url=inst.url, role=inst.role)
         self.on_stall(inst)
 
-    async def _relay_generation(self, gen: Generation, started: float, kind: str, request_id: str,
-                                plan: Plan | None = None):
-        outcome = "backend_failed"
-        first = None
-        try:
-            async for out in gen.run():
-                if first is None:
-                    first = time.monotonic()
-                yield out
-            if not gen.error:
-                outcome = "ok"
-                self.metrics.observe_done(started, gen.answered_at)
-                self.metrics.observe_itl(first, len(gen.ledger.generated), gen.answered_at)
-                self._answered(gen.role, plan, gen.ledger.engine_usage, gen.ledger.prompt_ids)
-        except (asyncio.CancelledError, GeneratorExit):
+    def _reported(self, gen: Generation, started: float, kind: str, request_id: str, plan: Plan | None,
+                  failure: BaseException | None) -> None:
+        """A streamed generation's end (Generation.run's report): its metrics and its log line."""
+        if failure is None and not gen.error:
+            outcome = "ok"
+            self.metrics.observe_done(started, gen.answered_at)
+            self.metrics.observe_itl(gen.first_at, len(gen.ledger.generated), gen.answered_at)
+            self._answered(gen.role, plan, gen.ledger.engine_usage, gen.ledger.prompt_ids)
+        elif isinstance(failure, (asyncio.CancelledError, GeneratorExit)):
             outcome = "client_disconnected"
             self.metrics.cancelled.inc()
-            raise
-        finally:
-            log.info("request", request_id=request_id, route=kind, status=200, stream=True,
-                     backend=gen.leg.instance.url, outcome=outcome, migrations=gen.ledger.migrations,
-                     duration_ms=round(((gen.answered_at or time.monotonic()) - started) * 1000, 2))
+        else:
+            outcome = "backend_failed"
+        log.info("request", request_id=request_id, route=kind, status=200, stream=True,
+                 backend=gen.leg.instance.url, outcome=outcome, migrations=gen.ledger.migrations,
+                 duration_ms=round(((gen.answered_at or time.monotonic()) - started) * 1000, 2))
 
 
 def _client_message(exc: UpstreamError) -> str:

@@ -127,6 +127,22 @@ class Response:
         if w is not None and not w.done():
             w.set_result(None)
 
+    # --- a watchdog's side (router/migrate.py: one a stream, where a timed read each cost more)
+    @property
+    def ended(self) -> bool:
+        """Read to its end, failed or closed: no read of it will wait any more."""
+        return self._conn is None
+
+    @property
+    def waiting(self) -> bool:
+        """A read is waiting for the next bytes."""
+        return self._waiter is not None and not self._waiter.done()
+
+    def interrupt(self, exc: BaseException) -> None:
+        """The waiting read raises `exc` (the response stays as it is: its caller closes it)."""
+        if self.waiting:
+            self._waiter.set_exception(exc)
+
     # --- the caller's side
     async def readany(self, timeout: float | None = None) -> bytes:
         """What has come of the body since the last read (at least one byte); b"" at its end.
