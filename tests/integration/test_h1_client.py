@@ -378,3 +378,66 @@ async def test_upstream_maps_failures_to_upstream_errors():
         await up.post_json(f"http://127.0.0.1:{port}/ok", {})
     assert gone.value.status is None and gone.value.retryable
     await up.close()
+
+
+@run
+async def test_a_leg_s_watchdog_gives_up_a_silent_engine_and_only_a_silent_one():
+    """router/migrate.Leg's reads are untimed; its one watchdog interrupts a read waiting past the
+    stall deadline (with another instance to go to), or silent for a second on an instance its
+    health checks ejected. A slow engine with no other, and a leg its client is not reading, go on."""
+    from ascendserve.router.ledger import BackendFailed
+    from ascendserve.router.migrate import Leg
+    from ascendserve.router.pools import EJECTED, Pool
+    from ascendserve.router.sse import SSEFramer
+
+    gaps: list[float] = []  # the server's silence before each event, in turn
+
+    async def events(reader, writer, head, body):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for n, gap in enumerate(gaps):
+            await asyncio.sleep(gap)
+            writer.write(chunk(b'data: {"n": %d}\n\n' % n))
+            await writer.drain()
+        await reader.read()  # then silence, until the client closes
+
+    async with Server(events) as srv:
+        c = client()
+        pool = Pool("decode")
+        inst = pool.add(srv.url)
+
+        async def leg() -> Leg:
+            return Leg(pool.lease(inst, 1), await c.post(srv.url + "/s", b"{}", {}), SSEFramer())
+
+        # a stall: given up at the deadline, not before
+        gaps[:] = [0.0]
+        first = await leg()
+        assert (await first.next_events(0.5))[0] == [b'{"n": 0}']
+        started = time.monotonic()
+        with pytest.raises(BackendFailed) as failed:
+            await first.next_events(0.5)
+        assert failed.value.reason == "stall" and 0.45 < time.monotonic() - started < 1.5
+        first.close(ok=False)
+        assert first._watch is None
+
+        # slower than the deadline, but no other instance to go to: it waits; so does a leg whose
+        # client is not reading (its next event came while nobody waited for it)
+        gaps[:] = [0.0, 1.2, 0.3]
+        slow = await leg()
+        assert (await slow.next_events(0.5, lambda: False))[0] == [b'{"n": 0}']
+        assert (await slow.next_events(0.5, lambda: False))[0] == [b'{"n": 1}']
+        await asyncio.sleep(1.0)
+        assert (await slow.next_events(0.5))[0] == [b'{"n": 2}']
+        slow.close(ok=True)
+
+        # ejected by its health checks while silent: given up after a second, long before the deadline
+        gaps[:] = [0.0]
+        ejected = await leg()
+        assert (await ejected.next_events(30))[0] == [b'{"n": 0}']
+        inst.state = EJECTED
+        started = time.monotonic()
+        with pytest.raises(BackendFailed) as failed:
+            await ejected.next_events(30)
+        assert failed.value.reason == "ejected" and 0.9 < time.monotonic() - started < 2.5
+        ejected.close(ok=False)
+        assert inst.active_requests == 0
+        await c.close()
