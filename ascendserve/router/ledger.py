@@ -234,43 +234,66 @@ class Ledger:
                     decoded.append(_decode_token(payload))
                 except msgspec.DecodeError:
                     break
-        chat, null_ids = self.kind == "chat", not self.want_ids
         taken = 0
         for ev in decoded:
-            if ev.usage is not None or len(ev.choices) != 1:
+            if not self._take(ev, run[taken]):
                 break
-            choice = ev.choices[0]
-            finish = choice.finish_reason
-            if finish is not None and not self.want_usage:
-                break  # held until the usage event stamps it (_to_client)
-            if chat:
-                delta = choice.delta
-                if delta.__class__ is not dict or len(delta) != 1 or "content" not in delta:
-                    break
-                text = delta["content"]
-                prompt_ids = ev.prompt_token_ids
-            else:
-                text = choice.text
-                prompt_ids = choice.prompt_token_ids
-            ids = choice.token_ids
-            if null_ids and run[taken].count(b'token_ids":[') != \
-                    (ids is not None) + (ev.prompt_token_ids is not None) + (choice.prompt_token_ids is not None):
-                break  # another key ending in token_ids: feed() edits only ours
-            if text:
-                self.text_parts.append(text)
-            if ids:
-                self.generated += ids
-            if self.prompt_ids is None and prompt_ids is not None:
-                self.prompt_ids = prompt_ids
-            if finish is not None:
-                self.finish_reason, self.stop_reason = finish, choice.stop_reason
-            if ev.system_fingerprint is not msgspec.UNSET:
-                self.fingerprint = ev.system_fingerprint
             taken += 1
         if taken and self.stream:
             joined = b"data: " + b"\n\ndata: ".join(run[:taken] if taken < len(run) else run) + b"\n\n"
-            out.append(_NULL_IDS(b'token_ids":null', joined) if null_ids else joined)
+            out.append(_NULL_IDS(b'token_ids":null', joined) if not self.want_ids else joined)
         return taken
+
+    def relay_one(self, whole: bytes) -> bytes | None:
+        """relay() for a read of exactly one event as the engine sent it (`data: {...}\n\n`, the
+        usual read of a lone stream), without splitting it into payloads and joining it again: the
+        client's bytes when it is a plain token event of a first leg's stream, else None (the read
+        then goes the general way; the ledger is as it was)."""
+        if not self.plain or self.migrations or not self.head or not self.stream \
+                or whole.count(b"\n") != 2 or not whole.startswith(b"data: {"):
+            return None
+        payload = whole[6:-2]
+        try:
+            ev = _decode_token(payload)
+        except msgspec.DecodeError:
+            return None
+        if not self._take(ev, payload):
+            return None
+        return _NULL_IDS(b'token_ids":null', whole) if not self.want_ids else whole
+
+    def _take(self, ev: _Token, payload: bytes) -> bool:
+        """One decoded event (relay's typed decode of `payload`) into the ledger when it is a plain
+        token event; False, and nothing changed, when it is not."""
+        if ev.usage is not None or len(ev.choices) != 1:
+            return False
+        choice = ev.choices[0]
+        finish = choice.finish_reason
+        if finish is not None and not self.want_usage:
+            return False  # held until the usage event stamps it (_to_client)
+        if self.kind == "chat":
+            delta = choice.delta
+            if delta.__class__ is not dict or len(delta) != 1 or "content" not in delta:
+                return False
+            text = delta["content"]
+            prompt_ids = ev.prompt_token_ids
+        else:
+            text = choice.text
+            prompt_ids = choice.prompt_token_ids
+        ids = choice.token_ids
+        if not self.want_ids and payload.count(b'token_ids":[') != \
+                (ids is not None) + (ev.prompt_token_ids is not None) + (choice.prompt_token_ids is not None):
+            return False  # another key ending in token_ids: feed() edits only ours
+        if text:
+            self.text_parts.append(text)
+        if ids:
+            self.generated += ids
+        if self.prompt_ids is None and prompt_ids is not None:
+            self.prompt_ids = prompt_ids
+        if finish is not None:
+            self.finish_reason, self.stop_reason = finish, choice.stop_reason
+        if ev.system_fingerprint is not msgspec.UNSET:
+            self.fingerprint = ev.system_fingerprint
+        return True
 
     def _advance_offset(self, logprobs) -> None:
         if isinstance(logprobs, dict) and logprobs.get("tokens"):

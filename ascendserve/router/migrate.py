@@ -37,7 +37,7 @@ def _anywhere() -> bool:
 
 class Leg:
     """One engine stream of a generation: its lease, response and whole-event framing, and the
-    watchdog that gives it up when the engine goes silent (`next_events`)."""
+    watchdog that gives it up when the engine goes silent (`next_whole`)."""
 
     def __init__(self, lease: Lease, response, framer):
         self.lease, self.response, self.framer = lease, response, framer
@@ -52,11 +52,16 @@ class Leg:
     async def next_events(self, stall_s: float, elsewhere: Callable[[], bool] = _anywhere
                           ) -> tuple[list[bytes], bool, bool]:
         """The next whole events' payloads (parse() decodes one), whether [DONE] came, whether the
-        stream ended. Raises BackendFailed on a stall (no byte for `stall_s`), on the instance's
-        ejection by its health checks while it says nothing (a frozen instance may hold a request
-        before its first token longer than any stall deadline) or a broken connection.
+        stream ended (next_whole, and events_of)."""
+        return self.events_of(await self.next_whole(stall_s, elsewhere))
 
-        The reads are not timed one by one (a timer each was a tenth of a streamed token's cost):
+    async def next_whole(self, stall_s: float, elsewhere: Callable[[], bool] = _anywhere) -> bytes | None:
+        """The next whole events as the engine sent them, None once the stream ended. Raises
+        BackendFailed on a stall (no byte for `stall_s`), on the instance's ejection by its health
+        checks while it says nothing (a frozen instance may hold a request before its first token
+        longer than any stall deadline) or a broken connection.
+
+        The reads are not timed one by one (a timer each was a sixth of the ledger's cost a read):
         one watchdog a leg (`_check`) looks in at most every EJECTION_CHECK_S and interrupts the
         read it finds waiting past either deadline."""
         self.stall_s, self.elsewhere = stall_s, elsewhere
@@ -69,14 +74,21 @@ class Leg:
             except (aiohttp.ClientError, ConnectionError, OSError) as exc:
                 raise BackendFailed("connection", repr(exc)) from None
             if not chunk:
-                rest = self.framer.flush()
-                evs, done = payloads(rest) if rest else ([], False)
-                return evs, done, True
+                return None
             whole = self.framer.feed(chunk)
             if whole:
-                evs, done = payloads(whole)
-                return evs, done, False
+                return whole
             self.since = time.monotonic()  # part of an event: the engine is not silent
+
+    def events_of(self, whole: bytes | None) -> tuple[list[bytes], bool, bool]:
+        """next_whole's answer as payloads, whether [DONE] came, whether the stream ended (then
+        what it sent after its last whole event is taken too)."""
+        if whole is not None:
+            evs, done = payloads(whole)
+            return evs, done, False
+        rest = self.framer.flush()
+        evs, done = payloads(rest) if rest else ([], False)
+        return evs, done, True
 
     def _check(self) -> None:
         """The watchdog: a read waiting past the stall deadline (with another instance to go to), or
@@ -252,7 +264,13 @@ class Generation:
             finally:
                 if out:
                     yield b"".join(out)
-            evs, done, ended = await self.leg.next_events(self.settings.stall_timeout_s, self._elsewhere)
+            while True:  # reads of one plain token event each (a lone stream's) go the short way
+                whole = await self.leg.next_whole(self.settings.stall_timeout_s, self._elsewhere)
+                sent = led.relay_one(whole) if whole is not None else None
+                if sent is None:
+                    break
+                yield sent
+            evs, done, ended = self.leg.events_of(whole)
 
     def _events(self, evs: list, out: list[bytes]) -> bool:
         """Feed one read's events (payloads, or events parsed already) to the ledger, the client's

@@ -220,17 +220,25 @@ def _chat_stream() -> list[dict]:
             chat("", [7]), chat("c", [8], finish="stop"), usage(3, 5, "chat.completion.chunk")]
 
 
-def _relayed(kind: str, body: dict, evs: list[dict], per_read: int, fast: bool) -> tuple[bytes, dict, int]:
-    """What the client gets, and the ledger's state, with events fed as Generation._events feeds
-    them (`fast`: the raw payloads of each read through relay(), the rest through feed(); else
-    every event decoded through feed()). The first event comes decoded, as _open_leg hands it on."""
+def _relayed(kind: str, body: dict, evs: list[dict], per_read: int, fast: bool) -> tuple[bytes, dict, int, int]:
+    """What the client gets, and the ledger's state, with events fed as Generation._leg feeds
+    them (`fast`: a read of one raw event through relay_one(), the raw payloads of each other
+    read through relay(), the rest through feed(); else every event decoded through feed()). The
+    first event comes decoded, as _open_leg hands it on. Also: how many events took the fast
+    ways, and how many of them relay_one()."""
     led = Ledger(kind, body)
     raw = [msgspec.json.encode(e) for e in evs]
     items: list = [msgspec.json.decode(raw[0])] + raw[1:]
     out: list[bytes] = []
-    taken = 0
+    taken = ones = 0
     for start in range(0, len(items), per_read):
         read = items[start:start + per_read]
+        if fast and len(read) == 1 and isinstance(read[0], bytes):
+            sent = led.relay_one(b"data: " + read[0] + b"\n\n")
+            if sent is not None:
+                out.append(sent)
+                taken, ones = taken + 1, ones + 1
+                continue
         at = led.relay(read, out) if fast else 0
         taken += at
         while at < len(read):
@@ -244,7 +252,7 @@ def _relayed(kind: str, body: dict, evs: list[dict], per_read: int, fast: bool) 
     out += [encode(e) for e in led.flush_final()]
     state = {k: getattr(led, k) for k in ("generated", "text", "prompt_ids", "finish_reason", "stop_reason",
                                             "fingerprint", "not_migratable", "usage", "head", "final")}
-    return b"".join(out), state, taken
+    return b"".join(out), state, taken, ones
 
 
 @pytest.mark.parametrize("per_read", [1, 3, 100])
@@ -261,13 +269,15 @@ def test_plain_token_events_are_relayed_as_their_bytes_exactly_as_feed_would_sen
     if kind == "chat" and "logprobs" in body:
         body["logprobs"] = True
     evs = _cmpl_stream() if kind == "completions" else _chat_stream()
-    want, want_state, _ = _relayed(kind, body, evs, per_read, fast=False)
-    got, state, taken = _relayed(kind, body, evs, per_read, fast=True)
+    want, want_state, _, _ = _relayed(kind, body, evs, per_read, fast=False)
+    got, state, taken, ones = _relayed(kind, body, evs, per_read, fast=True)
     assert got == want and state == want_state
     if "logprobs" in body or "continuous_usage_stats" in body.get("stream_options", {}):
         assert taken == 0  # every event carries them: all go through feed()
     else:
         assert taken >= 2  # plain token events did go the fast way
+        if per_read == 1 and body.get("stream"):  # each alone in its read, as they come one a step
+            assert ones == taken
     if body.get("stream") and not body.get("return_token_ids"):
         assert b'token_ids":[' not in got.replace(b'"draft_token_ids":[3]', b"")
 

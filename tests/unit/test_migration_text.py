@@ -27,7 +27,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from ascendserve.models.tiny import build_tokenizer  # noqa: E402
 from ascendserve.router import ledger, pools  # noqa: E402
-from ascendserve.router.ledger import BackendFailed  # noqa: E402
+from ascendserve.router.ledger import BackendFailed, payloads  # noqa: E402
 from ascendserve.router.migrate import Generation  # noqa: E402
 
 TOK = build_tokenizer()
@@ -82,18 +82,21 @@ def Instance(url: str) -> pools.Instance:  # noqa: N802 - the real thing, active
 
 
 class EngineLeg:
-    """One engine stream: its reads in order (each event's payload, as migrate.Leg reads them), then
-    an error event (the first leg) or [DONE]."""
+    """One engine stream: its reads in order (whole events, as migrate.Leg reads them), then an
+    error event (the first leg) or [DONE]."""
 
     def __init__(self, url: str, pending: list[list[dict]], breaks: bool):
         self.instance, self.pending, self.breaks = Instance(url), pending, breaks
 
-    async def next_events(self, stall_s, elsewhere=None):
+    async def next_whole(self, stall_s, elsewhere=None) -> bytes:
         if self.pending:
-            return [msgspec.json.encode(e) for e in self.pending.pop(0)], False, False
+            return b"".join(b"data: " + msgspec.json.encode(e) + b"\n\n" for e in self.pending.pop(0))
         if self.breaks:
             raise BackendFailed("error_event", "injected")
-        return [], True, False
+        return b"data: [DONE]\n\n"
+
+    def events_of(self, whole: bytes) -> tuple[list[bytes], bool, bool]:
+        return (*payloads(whole), False)
 
     async def end(self) -> None:  # nothing follows its [DONE]
         pass
