@@ -5,7 +5,7 @@ beside each. Give every proxy the same cores: run the whole bench under `taskset
 
     python -m bench.proxy [--duration 5] [--rounds 3] [--concurrency 1 16 64 256] [--workers 1 2]
         [--vllm-ascend-proxy FILE | --vllm-ascend-repo GITDIR] [--vllm-router BIN]
-        [--latency-cycles 2000] [--also NAME=SOURCE_TREE ...]
+        [--latency-cycles 2000] [--token-delay-ms 0] [--also NAME=SOURCE_TREE ...]
 
 Fast stub P and D instances (tests/stub_backend.py, no model) stand behind
 each proxy; the decode stub refuses requests that skipped the prefill hop,
@@ -172,13 +172,17 @@ def main() -> None:
     ap.add_argument("--vllm-router", default="/root/.venvs/vllm-router/bin/vllm-router")
     ap.add_argument("--latency-cycles", type=int, default=2000,
                     help="c=1 added latency, interleaved: this many requests through each (0: skip)")
+    ap.add_argument("--token-delay-ms", type=float, default=0.0,
+                    help="the decode stub's pause before each token: 0 sends a stream's events in one burst, "
+                         "which the proxies read a few at a time; a real engine sends one a step, and a proxy "
+                         "reads each on its own (what a token costs it shows then)")
     ap.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR",
                     help="ascendserve (1 worker) from another source tree too, beside this one")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv")
+        p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv", "--token-delay-ms", str(args.token_delay_ms))
         start_all(p, d)
         ours = [(f"ascendserve, {n} worker{'s' if n > 1 else ''}", ("--workers", str(n))) for n in args.workers]
         ours.append(("ascendserve, no ledger", ("--workers", "1", "--migration-limit", "0")))
@@ -249,8 +253,9 @@ def main() -> None:
                          _ratio(mine, runs.get("vllm-ascend proxy", {}).get(c)),
                          _ratio(mine, runs.get("vllm-router", {}).get(c)), r.get("cpu_ms", float("nan")),
                          _ratio(mine, runs.get("ascendserve, no ledger", {}).get(c)), r["errors"]])
-    table(f"P->D through each proxy, stub backends, 16 streamed tokens, {args.duration:.0f} s per point, median of "
-          f"{args.rounds} round(s); x columns: the median of each round's ratio (decode protocol errors: "
+    paced = f" {args.token_delay_ms:g} ms apart" if args.token_delay_ms else ""
+    table(f"P->D through each proxy, stub backends, 16 streamed tokens{paced}, {args.duration:.0f} s per point, "
+          f"median of {args.rounds} round(s); x columns: the median of each round's ratio (decode protocol errors: "
           f"{protocol_errors})",
           ["proxy", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "x floor", "x vllm-ascend",
            "x vllm-router", "proxy CPU ms/req", "x no ledger", "errors"],

@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--proxy-args", default="", help="more flags for the proxy, e.g. '--migration-limit 0' "
                     "(bench.proxy's row without the ledger)")
+    ap.add_argument("--token-delay-ms", type=float, default=0.0,
+                    help="the decode stub's pause before each token (bench/proxy.py: what it shows)")
     ap.add_argument("--save", default="", help="keep py-spy's collapsed stacks here (flamegraph.pl, speedscope)")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -102,7 +104,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv")
+        p, d = stub("prefill", tmp), stub("decode", tmp, "--require-kv", "--token-delay-ms", str(args.token_delay_ms))
         proxy = control("proxy", tmp, "--prefill", f"127.0.0.1:{p.port}", "--decode", f"127.0.0.1:{d.port}",
                         "--log-level", "warning", "--workers", str(args.workers), *args.proxy_args.split())
         start_all(p, d, proxy)
