@@ -574,32 +574,6 @@ def _joined_logprobs(parts: list) -> dict | None:
     return out
 
 
-def payloads(data: bytes) -> tuple[list[bytes], bool]:
-    """Whole SSE events (SSEFramer's output) -> their JSON payloads (not decoded), and whether [DONE] came."""
-    if data.startswith(b"data: ") and data.endswith(b"\n\n"):  # vLLM's: one "data: " line per event
-        parts = data[6:-2].split(b"\n\ndata: ")  # (JSON escapes a newline: no payload holds one)
-        if data.count(b"\n") == 2 * len(parts) and b"" not in parts:
-            done = parts[-1] == b"[DONE]"
-            if done:
-                parts.pop()
-            if b"[DONE]" not in parts:
-                return parts, done
-    out, done = [], False
-    for block in data.split(b"\n\n"):
-        if block.startswith(b"data: {") and b"\n" not in block:  # one line, as vLLM writes every event
-            out.append(block[6:])
-            continue
-        for line in block.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-            elif payload:
-                out.append(payload)
-    return out, done
-
-
 class _Choice(msgspec.Struct):
     """What Ledger.relay reads of a token event's choice; a field of another type fails the decode."""
     text: str | None = None
@@ -621,8 +595,3 @@ class _Token(msgspec.Struct):
 _decode_token = msgspec.json.Decoder(_Token).decode
 _decode_run = msgspec.json.Decoder(list[_Token]).decode
 _NULL_IDS = re.compile(rb'token_ids":\[[^\]]*\]').sub  # a literal prefix: re finds it at memchr's pace
-_encode = msgspec.json.Encoder().encode
-
-
-def encode(event: dict) -> bytes:
-    return b"data: " + _encode(event) + b"\n\n"

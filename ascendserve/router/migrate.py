@@ -22,9 +22,9 @@ import structlog
 
 from ascendserve.protocol.openai import APIError
 from ascendserve.router import tracing
-from ascendserve.router.ledger import BackendFailed, Ledger, encode, payloads
+from ascendserve.router.ledger import BackendFailed, Ledger
 from ascendserve.router.pools import EJECTED, Instance, Lease
-from ascendserve.router.sse import DONE
+from ascendserve.router.sse import DONE, encode, payloads, sse_error
 
 log = structlog.get_logger("ascendserve.router")
 EJECTION_CHECK_S = 1.0  # how often a silent stream looks whether its instance was ejected
@@ -209,7 +209,7 @@ class Generation:
                     if message:
                         self._fail(message)
                         if led.stream:
-                            yield _error_event(self.error)
+                            yield sse_error(self.error)
                         return
         except BaseException as exc:  # GeneratorExit and CancelledError: the client went
             failure = exc
@@ -380,11 +380,3 @@ def parse(payload: bytes) -> dict:
 
 
 _decode = msgspec.json.Decoder().decode
-
-
-def _error_event(message: str) -> bytes:
-    from ascendserve.router.sse import sse_error
-
-    return sse_error(message)
-
-

@@ -1,5 +1,6 @@
-"""A backend's SSE stream on its way to the client: whole events only (SSEFramer), the error event
-the proxy writes when a backend breaks, and the plain relay of requests the ledger does not follow
+"""A backend's SSE stream on its way to the client: whole events only (SSEFramer), their payloads
+(payloads) and an event written as vLLM writes it (encode), the error event the proxy writes when a
+backend breaks, and the plain relay of requests the ledger does not follow
 (they cannot migrate: n > 1, echo, structured output, tools; or migration_limit = 0)."""
 
 from __future__ import annotations
@@ -47,9 +48,42 @@ class SSEFramer:
         return out
 
 
+def payloads(data: bytes) -> tuple[list[bytes], bool]:
+    """Whole SSE events (SSEFramer's output) -> their JSON payloads (not decoded), and whether [DONE] came."""
+    if data.startswith(b"data: ") and data.endswith(b"\n\n"):  # vLLM's: one "data: " line per event
+        parts = data[6:-2].split(b"\n\ndata: ")  # (JSON escapes a newline: no payload holds one)
+        if data.count(b"\n") == 2 * len(parts) and b"" not in parts:
+            done = parts[-1] == b"[DONE]"
+            if done:
+                parts.pop()
+            if b"[DONE]" not in parts:
+                return parts, done
+    out, done = [], False
+    for block in data.split(b"\n\n"):
+        if block.startswith(b"data: {") and b"\n" not in block:  # one line, as vLLM writes every event
+            out.append(block[6:])
+            continue
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+            elif payload:
+                out.append(payload)
+    return out, done
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def encode(event: dict) -> bytes:
+    """One event as SSE bytes, compact JSON as vLLM writes it."""
+    return b"data: " + _encode(event) + b"\n\n"
+
+
 def sse_error(message: str, code: int = 502) -> bytes:
-    event = msgspec.json.encode(error_body(message, "server_error", None, str(code)))
-    return b"data: " + event + b"\n\n" + DONE
+    return encode(error_body(message, "server_error", None, str(code))) + DONE
 
 
 async def first_chunk(response, url: str) -> bytes:

@@ -10,8 +10,8 @@ import time
 import msgspec
 import pytest
 
-from ascendserve.router.ledger import (BackendFailed, Ledger, backend_body, encode, mode_of, payloads,
-                                       why_not_migratable)
+from ascendserve.router.ledger import BackendFailed, Ledger, backend_body, mode_of, why_not_migratable
+from ascendserve.router.sse import encode, payloads
 
 MODEL = "m"
 

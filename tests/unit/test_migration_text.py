@@ -27,8 +27,9 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from ascendserve.models.tiny import build_tokenizer  # noqa: E402
 from ascendserve.router import ledger, pools  # noqa: E402
-from ascendserve.router.ledger import BackendFailed, payloads  # noqa: E402
+from ascendserve.router.ledger import BackendFailed  # noqa: E402
 from ascendserve.router.migrate import Generation  # noqa: E402
+from ascendserve.router.sse import payloads  # noqa: E402
 
 TOK = build_tokenizer()
 BACKEND = TOK.backend_tokenizer
