@@ -148,7 +148,8 @@ def test_a_client_that_goes_mid_stream_is_seen(served):
             got += sock.recv(4096)
     gone = Path(str(mark) + ".gone")
     deadline = time.monotonic() + 10
-    while not gone.exists() and time.monotonic() < deadline:
+    # write_text creates the file before it writes: wait for its words, not for the file
+    while not (gone.exists() and gone.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone.read_text() == "http.disconnect RSGIProtocolClosed"
 
